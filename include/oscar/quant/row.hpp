@@ -1,0 +1,53 @@
+// One cache row (one token of one KV head, already rotated) through the whole quantizer:
+// clip -> per-group metadata -> codes -> packed bytes; and the way back to floats.
+#pragma once
+
+#include <cstdint>
+
+#include "oscar/core/config.hpp"
+#include "oscar/quant/clip.hpp"
+#include "oscar/quant/format.hpp"
+#include "oscar/quant/pack.hpp"
+#include "oscar/quant/quantize.hpp"
+
+namespace oscar {
+
+inline constexpr int kMaxHeadDim = 256;
+
+// `x` is the rotated row as the cache holds it (bf16 values widened to float: the format
+// quantizes the bf16-rounded rotation, so a token demoted from the BF16 window and a token
+// written straight to INT2 get the same bytes). `clip_k` comes from clip_rank().
+//
+// A row with any NaN or Inf is stored with NaN metadata and zero codes in every group: it
+// reads back as NaN, so its own request's output shows the fault instead of a silently wrong
+// number, and no other row, token or request is touched.
+OSCAR_HOST_DEVICE void quantize_row(const float* x, int head_dim, int quant_group_size,
+                                    int clip_k, uint8_t* packed, QuantMeta* meta) {
+  bool finite = true;
+  float clipped[kMaxHeadDim];
+  for (int i = 0; i < head_dim; ++i) {
+    clipped[i] = x[i];
+    finite = finite && is_finite(x[i]);
+  }
+  if (finite) clip_row(clipped, head_dim, clip_k);
+
+  uint8_t codes[kMaxHeadDim];
+  for (int start = 0, g = 0; start < head_dim; start += quant_group_size, ++g) {
+    const GroupRange range = group_range(clipped + start, quant_group_size);
+    const GroupQuantizer q = make_group_quantizer(range.mn, range.mx, finite);
+    meta[g] = q.meta;
+    for (int i = 0; i < quant_group_size; ++i) {
+      codes[start + i] = static_cast<uint8_t>(quantize_code(clipped[start + i], q));
+    }
+  }
+  pack_row(codes, head_dim, quant_group_size, packed);
+}
+
+OSCAR_HOST_DEVICE void dequantize_row(const uint8_t* packed, const QuantMeta* meta, int head_dim,
+                                      int quant_group_size, float* out) {
+  for (int i = 0; i < head_dim; ++i) {
+    out[i] = dequantize_code(unpack_code(packed, i, quant_group_size), meta[i / quant_group_size]);
+  }
+}
+
+}  // namespace oscar

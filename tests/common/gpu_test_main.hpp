@@ -1,0 +1,33 @@
+// main() for GPU test executables: exit 77 (ctest: skipped) where no CUDA device is visible,
+// so a machine without a GPU never reports these tests as passed. Include in exactly one
+// translation unit of each GPU test.
+#pragma once
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  const cudaError_t error = cudaGetDeviceCount(&devices);
+  if (error != cudaSuccess || devices == 0) {
+    std::printf("SKIPPED: no CUDA device visible (%s)\n",
+                error == cudaSuccess ? "0 devices" : cudaGetErrorString(error));
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("running on %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+  doctest::Context context(argc, argv);
+  return context.run();
+}
+
+// Fails the current test with the CUDA error text.
+#define CUDA_REQUIRE(expr)                                                         \
+  do {                                                                             \
+    const cudaError_t cuda_error_ = (expr);                                        \
+    REQUIRE_MESSAGE(cuda_error_ == cudaSuccess, #expr ": " << cudaGetErrorString(cuda_error_)); \
+  } while (0)

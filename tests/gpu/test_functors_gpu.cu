@@ -1,0 +1,194 @@
+// The host/device functors give the same bits on the GPU as on the CPU: conversions (also
+// against CUDA's own intrinsics), the row quantizer, Hadamard and dense rotation, the
+// dequant-dot (to rounding, since nvcc contracts multiply-adds differently).
+#include "common/gpu_test_main.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/random.hpp"
+#include "oscar/quant/dequant_dot.hpp"
+#include "oscar/quant/row.hpp"
+#include "oscar/rotate/dense.hpp"
+#include "oscar/rotate/hadamard.hpp"
+
+using namespace oscar;
+
+namespace {
+
+template <class T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuffer(size_t count) : n(count) {
+    CUDA_REQUIRE(cudaMalloc(&ptr, count * sizeof(T)));
+    CUDA_REQUIRE(cudaMemset(ptr, 0xff, count * sizeof(T)));  // poison
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void upload(const std::vector<T>& h) { CUDA_REQUIRE(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    CUDA_REQUIRE(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+__global__ void convert_kernel(const float* in, int n, uint16_t* fp16_ours, uint16_t* fp16_cuda,
+                               uint16_t* bf16_ours, uint16_t* bf16_cuda) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  fp16_ours[i] = float_to_fp16(in[i]).bits;
+  fp16_cuda[i] = __half_as_ushort(__float2half_rn(in[i]));
+  bf16_ours[i] = float_to_bf16(in[i]).bits;
+  bf16_cuda[i] = __bfloat16_as_ushort(__float2bfloat16_rn(in[i]));
+}
+
+__global__ void quantize_kernel(const float* rows, int num_rows, int d, int group, int clip_k,
+                                uint8_t* packed, QuantMeta* meta) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= num_rows) return;
+  quantize_row(rows + size_t(r) * d, d, group, clip_k, packed + size_t(r) * d / 4, meta + size_t(r) * (d / group));
+}
+
+__global__ void rotate_kernel(const float* rows, int num_rows, int d, const float* rotation, float* dense_out,
+                              float* hadamard_out) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= num_rows) return;
+  rotate_row(rows + size_t(r) * d, rotation, d, dense_out + size_t(r) * d);
+  float* h = hadamard_out + size_t(r) * d;
+  for (int i = 0; i < d; ++i) h[i] = rows[size_t(r) * d + i];
+  hadamard_transform(h, d);
+}
+
+__global__ void dot_kernel(const float* q, const float* sums, const uint8_t* packed, const QuantMeta* meta,
+                           int num_rows, int d, int group, float* out) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= num_rows) return;
+  out[r] = dequant_dot(q, sums, packed + size_t(r) * d / 4, meta + size_t(r) * (d / group), d, group);
+}
+
+}  // namespace
+
+TEST_CASE("fp16/bf16 conversion: ours on the GPU == ours on the CPU == CUDA intrinsics") {
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<uint32_t> any;
+  const int n = 1 << 20;
+  std::vector<float> in(n);
+  for (int i = 0; i < n; ++i) {
+    const uint32_t bits = i < n / 2 ? any(rng) : ((any(rng) & 0x807fffffu) | ((100u + any(rng) % 60u) << 23));
+    in[i] = float_from_bits(bits);
+  }
+  DeviceBuffer<float> d_in(n);
+  DeviceBuffer<uint16_t> a(n), b(n), c(n), e(n);
+  d_in.upload(in);
+  convert_kernel<<<(n + 255) / 256, 256>>>(d_in.ptr, n, a.ptr, b.ptr, c.ptr, e.ptr);
+  CUDA_REQUIRE(cudaGetLastError());
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  const auto fp16_ours = a.download(), fp16_cuda = b.download(), bf16_ours = c.download(), bf16_cuda = e.download();
+  int mismatches = 0;
+  for (int i = 0; i < n; ++i) {
+    const bool nan = std::isnan(in[i]);
+    mismatches += fp16_ours[i] != float_to_fp16(in[i]).bits;
+    mismatches += bf16_ours[i] != float_to_bf16(in[i]).bits;
+    if (!nan) {  // NaN payloads may differ; both are NaN
+      mismatches += fp16_ours[i] != fp16_cuda[i];
+      mismatches += bf16_ours[i] != bf16_cuda[i];
+    }
+  }
+  CHECK(mismatches == 0);
+}
+
+TEST_CASE("quantize_row on the GPU is bit-exact with the CPU") {
+  for (int d : {64, 128, 256}) {
+    for (int group : {32, 64, 128, 256}) {
+      if (group > d) continue;
+      for (float rho : {1.0f, 0.96f, 0.92f}) {
+        const int rows = 4096;
+        oscar::testing::RowGenerator gen(d + group, d);
+        std::vector<float> x;
+        for (int r = 0; r < rows; ++r) {
+          const auto row = gen.row();
+          x.insert(x.end(), row.begin(), row.end());
+        }
+        x[17 * d + 3] = std::nanf("");  // one poisoned row must stay confined
+        const int k = clip_rank(rho, d);
+        DeviceBuffer<float> d_x(x.size());
+        DeviceBuffer<uint8_t> d_packed(size_t(rows) * d / 4);
+        DeviceBuffer<QuantMeta> d_meta(size_t(rows) * (d / group));
+        d_x.upload(x);
+        quantize_kernel<<<(rows + 127) / 128, 128>>>(d_x.ptr, rows, d, group, k, d_packed.ptr, d_meta.ptr);
+        CUDA_REQUIRE(cudaGetLastError());
+        CUDA_REQUIRE(cudaDeviceSynchronize());
+        const auto packed = d_packed.download();
+        const auto meta = d_meta.download();
+        std::vector<uint8_t> host_packed(packed.size());
+        std::vector<QuantMeta> host_meta(meta.size());
+        for (int r = 0; r < rows; ++r) {
+          quantize_row(x.data() + size_t(r) * d, d, group, k, host_packed.data() + size_t(r) * d / 4,
+                       host_meta.data() + size_t(r) * (d / group));
+        }
+        CHECK(packed == host_packed);
+        CHECK(std::memcmp(meta.data(), host_meta.data(), meta.size() * sizeof(QuantMeta)) == 0);
+
+        // dequant-dot: same formula, contraction may differ: compare to float rounding.
+        std::vector<float> q(d), sums(d / group);
+        std::mt19937 rng(d);
+        std::normal_distribution<float> normal;
+        for (float& v : q) v = normal(rng);
+        query_group_sums(q.data(), d, group, sums.data());
+        DeviceBuffer<float> d_q(d), d_sums(sums.size()), d_out(rows);
+        d_q.upload(q);
+        d_sums.upload(sums);
+        dot_kernel<<<(rows + 127) / 128, 128>>>(d_q.ptr, d_sums.ptr, d_packed.ptr, d_meta.ptr, rows, d, group, d_out.ptr);
+        CUDA_REQUIRE(cudaGetLastError());
+        const auto dots = d_out.download();
+        for (int r = 0; r < rows; ++r) {
+          const float expected = dequant_dot(q.data(), sums.data(), host_packed.data() + size_t(r) * d / 4,
+                                             host_meta.data() + size_t(r) * (d / group), d, group);
+          if (std::isnan(expected)) {
+            CHECK(std::isnan(dots[r]));
+          } else {
+            CHECK(std::abs(dots[r] - expected) <= 1e-4f * (1.0f + std::abs(expected)));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("dense rotation and Hadamard transform on the GPU equal the CPU") {
+  const int rows = 1024;
+  for (int d : {64, 128, 256}) {
+    oscar::testing::RowGenerator gen(d, d);
+    std::vector<float> x;
+    for (int r = 0; r < rows; ++r) {
+      const auto row = gen.row();
+      x.insert(x.end(), row.begin(), row.end());
+    }
+    const auto rotation = oscar::testing::random_orthogonal(d, 3);
+    DeviceBuffer<float> d_x(x.size()), d_r(rotation.size()), d_dense(x.size()), d_h(x.size());
+    d_x.upload(x);
+    d_r.upload(rotation);
+    rotate_kernel<<<(rows + 127) / 128, 128>>>(d_x.ptr, rows, d, d_r.ptr, d_dense.ptr, d_h.ptr);
+    CUDA_REQUIRE(cudaGetLastError());
+    CUDA_REQUIRE(cudaDeviceSynchronize());
+    const auto dense = d_dense.download(), had = d_h.download();
+    std::vector<float> y(d), h(d);
+    int mismatches = 0;
+    for (int r = 0; r < rows; ++r) {
+      rotate_row(x.data() + size_t(r) * d, rotation.data(), d, y.data());  // explicit fma: exact
+      std::copy_n(x.data() + size_t(r) * d, d, h.data());
+      hadamard_transform(h.data(), d);
+      for (int i = 0; i < d; ++i) {
+        mismatches += dense[size_t(r) * d + i] != y[i];
+        mismatches += had[size_t(r) * d + i] != h[i];
+      }
+    }
+    CHECK(mismatches == 0);
+  }
+}
