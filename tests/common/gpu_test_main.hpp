@@ -10,6 +10,8 @@
 
 #include <cstdio>
 
+#include "common/cuda_check.hpp"
+
 int main(int argc, char** argv) {
   int devices = 0;
   const cudaError_t error = cudaGetDeviceCount(&devices);
@@ -25,9 +27,3 @@ int main(int argc, char** argv) {
   return context.run();
 }
 
-// Fails the current test with the CUDA error text.
-#define CUDA_REQUIRE(expr)                                                         \
-  do {                                                                             \
-    const cudaError_t cuda_error_ = (expr);                                        \
-    REQUIRE_MESSAGE(cuda_error_ == cudaSuccess, #expr ": " << cudaGetErrorString(cuda_error_)); \
-  } while (0)

@@ -49,9 +49,9 @@ static_assert(sizeof(bf16_t) == 2 && sizeof(fp16_t) == 2);
 
 OSCAR_HOST_DEVICE bf16_t float_to_bf16(float value) {
   const uint32_t bits = float_bits(value);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    return bf16_t{static_cast<uint16_t>((bits >> 16) | 0x0040u)};  // quiet NaN, sign kept
-  }
+  // Every NaN becomes the one canonical quiet NaN: CPUs and GPUs produce NaNs with different
+  // sign and payload bits, and stored bytes must not depend on where they were computed.
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16_t{0x7fc0u};
   const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u);  // ties to even
   return bf16_t{static_cast<uint16_t>(rounded >> 16)};
 }
@@ -64,7 +64,7 @@ OSCAR_HOST_DEVICE fp16_t float_to_fp16(float value) {
   const uint32_t bits = float_bits(value);
   const uint32_t sign = (bits >> 16) & 0x8000u;
   const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return fp16_t{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (magnitude > 0x7f800000u) return fp16_t{0x7e00u};  // canonical quiet NaN, as for bf16
   // 65520 is the midpoint between 65504 (largest fp16) and 65536; ties go to even, i.e. Inf.
   if (magnitude >= 0x477ff000u) return fp16_t{static_cast<uint16_t>(sign | 0x7c00u)};
   if (magnitude < 0x38800000u) {  // below 2^-14: an fp16 subnormal or zero

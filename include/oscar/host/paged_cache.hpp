@@ -26,6 +26,7 @@
 #include "oscar/host/attention_reference.hpp"
 #include "oscar/host/page_allocator.hpp"
 #include "oscar/kv/paged_kv.hpp"
+#include "oscar/kv/write_params.hpp"
 #include "oscar/quant/clip.hpp"
 #include "oscar/quant/format.hpp"
 #include "oscar/quant/row.hpp"
@@ -69,21 +70,6 @@ struct AttentionOptions {
   bool output_rotated = false;  // leave the output multiplied by R_V (R_Vᵀ folded into W_O)
   float sm_scale = 0.0f;        // 0: 1/sqrt(head_dim)
   int32_t split_tokens = 512;   // keys per partial state (split-KV)
-};
-
-// Where one new token goes: a BF16 slot (sink or window) or, past the window, an INT2 slot.
-struct TokenSlot {
-  int32_t page = 0;
-  int32_t slot = 0;
-  bool int2 = false;
-};
-
-// A window page that leaves BF16 in this step: its first `rows` rows were written in earlier
-// steps and are quantized from the BF16 page; its newer rows are written to INT2 directly.
-struct PageDemotion {
-  int32_t bf16_page = 0;
-  int32_t int2_page = 0;
-  int32_t rows = 0;
 };
 
 // The slots of one append step. The same mapping drives a GPU write kernel.
@@ -606,7 +592,7 @@ class PagedCache {
           seq.sink_pages.push_back(*page);
         }
         plan.slots.push_back(
-            {seq.sink_pages.back(), static_cast<int32_t>(seq.sink_len % page_size), false});
+            {seq.sink_pages.back(), static_cast<int32_t>(seq.sink_len % page_size), 0});
         ++seq.sink_len;
         next_window_slot = plan.slots.size();
         continue;
@@ -618,7 +604,7 @@ class PagedCache {
         old_rows.push_back(0);
       }
       plan.slots.push_back(
-          {seq.recent_pages.back(), static_cast<int32_t>(seq.recent_len % page_size), false});
+          {seq.recent_pages.back(), static_cast<int32_t>(seq.recent_len % page_size), 0});
       ++seq.recent_len;
       while (seq.recent_len - page_size >= config_.recent_tokens) {
         auto int2_page = int2_pages_.allocate("INT2");
@@ -628,7 +614,7 @@ class PagedCache {
         // This step's tokens in the leaving page (its rows `rows`..page_size-1) go straight
         // to INT2, into the same rows.
         for (int32_t r = rows; r < page_size; ++r, ++next_window_slot) {
-          plan.slots[next_window_slot] = {*int2_page, r, true};
+          plan.slots[next_window_slot] = {*int2_page, r, 1};
         }
         if (rows > 0) {
           plan.demotions.push_back({bf16_page, *int2_page, rows});

@@ -39,12 +39,18 @@ OSCAR_HOST_DEVICE GroupQuantizer make_group_quantizer(float mn, float mx, bool f
   }
   float scale = (mx - mn) / 3.0f;
   scale = scale < kFp16MinSubnormal ? kFp16MinSubnormal : (scale > kFp16Max ? kFp16Max : scale);
-  const float offset = mn < -kFp16Max ? -kFp16Max : (mn > kFp16Max ? kFp16Max : mn);
+  // + 0.0f turns -0 into +0: the extremes of a group may be found in any order (a warp
+  // reduction on the GPU, a loop here), and both must store the same bits.
+  const float offset = (mn < -kFp16Max ? -kFp16Max : (mn > kFp16Max ? kFp16Max : mn)) + 0.0f;
   q.meta.scale = float_to_fp16(scale);
   q.meta.offset = float_to_fp16(offset);
   q.scale = fp16_to_float(q.meta.scale);
   q.offset = fp16_to_float(q.meta.offset);
+#if OSCAR_DEVICE_CODE
+  q.inv_scale = __frcp_rn(q.scale);  // correctly rounded, like 1.0f / scale, without the division
+#else
   q.inv_scale = 1.0f / q.scale;
+#endif
   return q;
 }
 

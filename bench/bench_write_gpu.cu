@@ -1,0 +1,146 @@
+// GPU write path: append (decode-sized and bulk prefill) and demote, against the copy
+// bandwidth measured in the same run. Run on a GPU machine:
+//   build/bench/bench_write_gpu --benchmark_min_time=0.2s
+#include <benchmark/benchmark.h>
+
+#include <vector>
+
+#include "common/random.hpp"
+#include "gpu_timer.cuh"
+#include "oscar/kv/write.cuh"
+
+namespace {
+
+using namespace oscar;
+using oscar::bench::check;
+
+constexpr int kHeads = 8, kDim = 128, kPage = 16;
+
+template <class T>
+T* device_alloc(size_t count) {
+  T* p = nullptr;
+  check(cudaMalloc(&p, count * sizeof(T)), "cudaMalloc");
+  check(cudaMemset(p, 0, count * sizeof(T)), "cudaMemset");
+  return p;
+}
+template <class T>
+T* device_copy(const std::vector<T>& host) {
+  T* p = device_alloc<T>(host.size());
+  check(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return p;
+}
+
+// One layer of pools, rotations and random bf16 input rows for `tokens` tokens.
+struct Setup {
+  LayeredKvPools pools;
+  bf16_t *k = nullptr, *v = nullptr;
+  int32_t* flag = nullptr;
+  Setup(int int2_pages, int bf16_pages, int tokens, bool rotate) {
+    const Int2Layout layout{kDim, kDim, kPage};
+    pools.k_int2 = Int2PoolRef::packed(device_alloc<uint8_t>(size_t(int2_pages) * kHeads * layout.block_bytes()),
+                                       int2_pages, kHeads, layout);
+    pools.v_int2 = Int2PoolRef::packed(device_alloc<uint8_t>(size_t(int2_pages) * kHeads * layout.block_bytes()),
+                                       int2_pages, kHeads, layout);
+    pools.k_bf16 = Bf16PoolRef::packed(device_alloc<bf16_t>(size_t(bf16_pages) * kHeads * kPage * kDim), bf16_pages,
+                                       kHeads, kPage, kDim);
+    pools.v_bf16 = Bf16PoolRef::packed(device_alloc<bf16_t>(size_t(bf16_pages) * kHeads * kPage * kDim), bf16_pages,
+                                       kHeads, kPage, kDim);
+    if (rotate) {
+      pools.k_rotation = device_copy(oscar::testing::random_orthogonal(kDim, 1));
+      pools.v_rotation = device_copy(oscar::testing::random_orthogonal(kDim, 2));
+    }
+    pools.k_clip_rank = device_copy(std::vector<int32_t>{clip_rank(0.96f, kDim)});
+    pools.v_clip_rank = device_copy(std::vector<int32_t>{clip_rank(0.92f, kDim)});
+    oscar::testing::RowGenerator gen(3, kDim);
+    std::vector<bf16_t> rows(size_t(tokens) * kHeads * kDim);
+    gen.fill_bf16(rows.data(), size_t(tokens) * kHeads);
+    k = device_copy(rows);
+    gen.fill_bf16(rows.data(), size_t(tokens) * kHeads);
+    v = device_copy(rows);
+    flag = device_alloc<int32_t>(1);
+  }
+};
+
+void BM_CopyBandwidth(benchmark::State& state) {
+  const size_t bytes = size_t{1} << 30;
+  void *a = device_alloc<uint8_t>(bytes), *b = device_alloc<uint8_t>(bytes);
+  oscar::bench::time_kernel(state, 2.0 * bytes, [&] { check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice), "copy"); });
+  oscar::bench::copy_gbps() = state.counters["GB/s"];
+  cudaFree(a);
+  cudaFree(b);
+}
+BENCHMARK(BM_CopyBandwidth)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+__global__ void empty_kernel() {}
+void BM_EmptyKernel(benchmark::State& state) {
+  oscar::bench::time_kernel(state, 0, [] { empty_kernel<<<1, 32>>>(); });
+}
+BENCHMARK(BM_EmptyKernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void report_copy_share(benchmark::State& state) {
+  if (oscar::bench::copy_gbps() > 0) {
+    state.counters["%copy"] = 100.0 * double(state.counters["GB/s"]) / oscar::bench::copy_gbps();
+  }
+}
+
+// Decode: one new token per request, into the BF16 window, K and V rotated.
+void BM_AppendDecode(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  Setup s(16, batch + 1, batch, true);
+  std::vector<TokenSlot> slots(batch);
+  for (int b = 0; b < batch; ++b) slots[b] = {b, 5, 0};
+  AppendParams p;
+  p.pools = s.pools;
+  p.k = s.k;
+  p.v = s.v;
+  p.in_stride_token = kHeads * kDim;
+  p.num_tokens = batch;
+  p.slots = device_copy(slots);
+  p.error_flag = s.flag;
+  const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
+  oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
+  report_copy_share(state);
+}
+BENCHMARK(BM_AppendDecode)->Arg(1)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// Bulk prefill: 32K tokens x 8 KV heads straight into INT2 pages.
+void BM_AppendBulkInt2(benchmark::State& state) {
+  const int tokens = 32768;
+  const bool rotate = state.range(0) != 0;
+  Setup s(tokens / kPage, 1, tokens, rotate);
+  std::vector<TokenSlot> slots(tokens);
+  for (int t = 0; t < tokens; ++t) slots[t] = {t / kPage, t % kPage, 1};
+  AppendParams p;
+  p.pools = s.pools;
+  p.k = s.k;
+  p.v = s.v;
+  p.in_stride_token = kHeads * kDim;
+  p.num_tokens = tokens;
+  p.slots = device_copy(slots);
+  p.error_flag = s.flag;
+  const double bytes = double(tokens) * kHeads * 2 * (2.0 * kDim + kDim / 4 + 4);
+  oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
+  report_copy_share(state);
+}
+BENCHMARK(BM_AppendBulkInt2)->ArgName("rotate")->Arg(1)->Arg(0)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// Demotion of 256 full window pages (all 8 heads, K and V).
+void BM_Demote(benchmark::State& state) {
+  const int pages = static_cast<int>(state.range(0));
+  Setup s(pages, pages, 1, false);
+  std::vector<PageDemotion> demotions(pages);
+  for (int i = 0; i < pages; ++i) demotions[i] = {i, i, kPage};
+  DemoteParams p;
+  p.pools = s.pools;
+  p.num_demotions = pages;
+  p.demotions = device_copy(demotions);
+  p.error_flag = s.flag;
+  const double bytes = double(pages) * kPage * kHeads * 2 * (2.0 * kDim + kDim / 4 + 4);
+  oscar::bench::time_kernel(state, bytes, [&] { (void)demote_kv(p); });
+  report_copy_share(state);
+}
+BENCHMARK(BM_Demote)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,375 @@
+// GPU write path: append (rotate -> bf16 -> store in the BF16 window, or clip -> quantize ->
+// pack straight into INT2 pages) and demote (BF16 window pages -> INT2 pages), for one layer
+// or a layer-strided set of layers in one launch.
+//
+// One warp owns one row (one token of one KV head, K or V). Each lane holds the elements
+// lane + 32·e; the rotation accumulates y_j = Σ_i x_i R_ij with fma in i order and the
+// quantizer reduces exactly (integer counts for the clip threshold, min/max for the range), so
+// the bytes equal the CPU reference's (host::PagedCache::write) bit for bit.
+//
+// Launchers validate their arguments, never allocate, never synchronize (CUDA-graph
+// capturable, any stream) and return a Status. Device-resident slots are checked on the
+// device: one out-of-range slot sets *error_flag and the launch writes nothing.
+#pragma once
+
+#include <cuda_pipeline.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "oscar/core/numeric.hpp"
+#include "oscar/core/status.hpp"
+#include "oscar/kv/write_params.hpp"
+#include "oscar/quant/clip.hpp"
+#include "oscar/quant/format.hpp"
+#include "oscar/quant/quantize.hpp"
+
+namespace oscar {
+namespace write_detail {
+
+inline constexpr int kWarpsPerBlock = 4;
+inline constexpr int kThreads = kWarpsPerBlock * 32;
+// Append blocks are larger: each one stages R once for more rows.
+inline constexpr int kAppendWarps = 8;
+inline constexpr int kAppendThreads = kAppendWarps * 32;
+inline constexpr unsigned kFullMask = 0xffffffffu;
+// Up to this many slots (or demotions) every block checks them all itself; above, a separate
+// pre-pass kernel does, so the check costs one extra launch only for bulk writes.
+inline constexpr int kInBlockCheckLimit = 256;
+
+OSCAR_DEVICE bool slot_ok(const TokenSlot& s, const LayeredKvPools& pools) {
+  const int32_t pages = s.int2 ? pools.k_int2.num_pages : pools.k_bf16.num_pages;
+  return s.page >= 0 && s.page < pages && s.slot >= 0 && s.slot < pools.k_int2.layout.page_size &&
+         (s.int2 == 0 || s.int2 == 1);
+}
+OSCAR_DEVICE bool demotion_ok(const PageDemotion& d, const LayeredKvPools& pools) {
+  return d.bf16_page >= 0 && d.bf16_page < pools.k_bf16.num_pages && d.int2_page >= 0 &&
+         d.int2_page < pools.k_int2.num_pages && d.rows >= 0 && d.rows <= pools.k_int2.layout.page_size;
+}
+
+// Block-wide: true when every entry is valid; otherwise raises the flag.
+template <class Entry, class Check>
+OSCAR_DEVICE bool block_check(const Entry* entries, int n, const LayeredKvPools& pools, int32_t* error_flag,
+                              Check check) {
+  int bad = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) bad |= !check(entries[i], pools);
+  if (__syncthreads_or(bad)) {
+    if (threadIdx.x == 0) atomicExch(error_flag, kWriteErrorSlotOutOfRange);
+    return false;
+  }
+  return true;
+}
+
+__global__ void check_slots_kernel(const TokenSlot* slots, int n, const LayeredKvPools pools, int32_t* error_flag) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && !slot_ok(slots[i], pools)) atomicExch(error_flag, kWriteErrorSlotOutOfRange);
+}
+__global__ void check_demotions_kernel(const PageDemotion* demotions, int n, const LayeredKvPools pools,
+                                       int32_t* error_flag) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && !demotion_ok(demotions[i], pools)) atomicExch(error_flag, kWriteErrorSlotOutOfRange);
+}
+
+// The exact k-th smallest |x_i| of the warp's row, the same value as kth_smallest_magnitude.
+// Magnitudes compare as their bit patterns. When few elements lie above the threshold (the
+// usual case: rho = 0.96 leaves 5 of 128 above), remove the largest one at a time with an
+// integer warp max (one REDUX each) and take the max of the rest; otherwise run the 32-pass
+// bitwise search with warp-summed counts. Both are exact, so the choice changes no bit.
+template <int kHeadDim>
+OSCAR_DEVICE float warp_kth_smallest_magnitude(const float (&x)[kHeadDim / 32], int k) {
+  constexpr int kPerLane = kHeadDim / 32;
+  uint32_t key[kPerLane];
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) key[e] = float_bits(x[e]) & 0x7fffffffu;
+  const int above = kHeadDim - 1 - k;
+  if (above < 24) {
+    const int lane = threadIdx.x % 32;
+    for (int r = 0; r < above; ++r) {
+      uint32_t local = 0;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) local = key[e] > local ? key[e] : local;
+      const uint32_t top = __reduce_max_sync(kFullMask, local);
+      const unsigned holders = __ballot_sync(kFullMask, local == top);
+      if (lane == __ffs(holders) - 1) {  // one instance leaves; 0 never exceeds what remains
+        bool removed = false;
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) {
+          if (!removed && key[e] == top) {
+            key[e] = 0;
+            removed = true;
+          }
+        }
+      }
+    }
+    uint32_t local = 0;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) local = key[e] > local ? key[e] : local;
+    return float_from_bits(__reduce_max_sync(kFullMask, local));
+  }
+  uint32_t answer = 0;
+  for (int bit = 30; bit >= 0; --bit) {  // bit 31 (sign) is clear in every key
+    const uint32_t trial = answer | ((1u << bit) - 1u);
+    int count = 0;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) count += key[e] <= trial;
+    if (__reduce_add_sync(kFullMask, count) <= k) answer |= 1u << bit;
+  }
+  return float_from_bits(answer);
+}
+
+// Clip, quantize and pack the warp's row x (lane holds elements lane + 32e). `codes` is the
+// warp's shared scratch of kHeadDim bytes.
+template <int kHeadDim, int kGroup>
+OSCAR_DEVICE void warp_quantize_row(float (&x)[kHeadDim / 32], int clip_k, uint8_t* codes, uint8_t* dst_codes,
+                                    QuantMeta* dst_meta, int lane) {
+  constexpr int kPerLane = kHeadDim / 32;
+  constexpr int kGroups = kHeadDim / kGroup;
+  constexpr int kLanesPerGroupSpan = kGroup / 32;  // consecutive e indices per group
+  bool finite = true;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) finite = finite && is_finite(x[e]);
+  finite = __all_sync(kFullMask, finite);
+  if (finite && clip_k >= 0) {
+    const float tau = warp_kth_smallest_magnitude<kHeadDim>(x, clip_k);
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) x[e] = clamp_magnitude(x[e], tau);
+  }
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    float mn = INFINITY, mx = -INFINITY;
+#pragma unroll
+    for (int e = g * kLanesPerGroupSpan; e < (g + 1) * kLanesPerGroupSpan; ++e) {
+      mn = x[e] < mn ? x[e] : mn;
+      mx = x[e] > mx ? x[e] : mx;
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float other_mn = __shfl_xor_sync(kFullMask, mn, offset);
+      const float other_mx = __shfl_xor_sync(kFullMask, mx, offset);
+      mn = other_mn < mn ? other_mn : mn;
+      mx = other_mx > mx ? other_mx : mx;
+    }
+    const GroupQuantizer q = make_group_quantizer(mn, mx, finite);
+    if (lane == 0) dst_meta[g] = q.meta;
+#pragma unroll
+    for (int e = g * kLanesPerGroupSpan; e < (g + 1) * kLanesPerGroupSpan; ++e) {
+      codes[lane + 32 * e] = static_cast<uint8_t>(quantize_code(x[e], q));
+    }
+  }
+  __syncwarp();
+  // Pack in the format's order: byte j of group g holds local elements j, G/4+j, G/2+j, 3G/4+j.
+  constexpr int kQuarter = kGroup / 4;
+  for (int b = lane; b < kHeadDim / 4; b += 32) {
+    const uint8_t* c = codes + (b / kQuarter) * kGroup + b % kQuarter;
+    dst_codes[b] = static_cast<uint8_t>(c[0] | (c[kQuarter] << 2) | (c[2 * kQuarter] << 4) | (c[3 * kQuarter] << 6));
+  }
+  __syncwarp();
+}
+
+// Rotations up to this head_dim are staged in shared memory by each block (64 KB for 128),
+// so the latency of reading R is paid once per block, not once per row and i.
+template <int kHeadDim>
+inline constexpr bool kStageRotation = kHeadDim <= 128;
+
+template <int kHeadDim>
+inline constexpr int kAppendSmemBytes = kStageRotation<kHeadDim> ? kHeadDim * kHeadDim * 4 : 0;
+
+// blockIdx.y = layer * 2 + (0: K, 1: V); blockIdx.x strides over the (token, head) rows.
+template <int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendParams p) {
+  constexpr int kPerLane = kHeadDim / 32;
+  extern __shared__ __align__(16) float s_rotation[];
+  __shared__ float s_row[kAppendWarps][kHeadDim];
+  __shared__ uint8_t s_codes[kAppendWarps][kHeadDim];
+  if (p.num_tokens <= kInBlockCheckLimit) {
+    if (!block_check(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
+  } else if (*reinterpret_cast<volatile int32_t*>(p.error_flag) != 0) {
+    return;  // the pre-pass found a bad slot
+  }
+  const int layer = blockIdx.y / 2;
+  const bool is_value = blockIdx.y % 2;
+  const float* rotation = is_value ? (p.values_prerotated ? nullptr : p.pools.v_rotation) : p.pools.k_rotation;
+  if (rotation) rotation += size_t(layer) * kHeadDim * kHeadDim;
+  if constexpr (kStageRotation<kHeadDim>) {
+    if (rotation) {
+      // Every 16-byte chunk in flight at once (cp.async), then one wait: the block pays one
+      // memory latency for R, not one per loop trip.
+      const char* from = reinterpret_cast<const char*>(rotation);
+      char* to = reinterpret_cast<char*>(s_rotation);
+      for (int i = threadIdx.x; i < kHeadDim * kHeadDim / 4; i += blockDim.x) {
+        __pipeline_memcpy_async(to + 16 * i, from + 16 * i, 16);
+      }
+      __pipeline_commit();
+      __pipeline_wait_prior(0);
+      __syncthreads();
+      rotation = s_rotation;
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t heads = p.pools.k_int2.num_kv_heads;
+  const uint32_t total = uint32_t(p.num_tokens) * heads;
+  const Bf16PoolRef& bf16_pool = is_value ? p.pools.v_bf16 : p.pools.k_bf16;
+  const Int2PoolRef& int2_pool = is_value ? p.pools.v_int2 : p.pools.k_int2;
+  const int clip_k = (is_value ? p.pools.v_clip_rank : p.pools.k_clip_rank)[layer];
+  const bf16_t* input = (is_value ? p.v : p.k) + layer * p.in_stride_layer;
+  for (uint32_t row = blockIdx.x * kAppendWarps + warp; row < total; row += gridDim.x * kAppendWarps) {
+    const uint32_t token = row / heads, head = row % heads;
+    const TokenSlot slot = p.slots[token];
+    const bf16_t* in = input + token * p.in_stride_token + head * kHeadDim;
+    float* x = s_row[warp];
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) x[lane + 32 * e] = bf16_to_float(in[lane + 32 * e]);
+    __syncwarp();
+    float y[kPerLane];
+    if (rotation) {
+      const float* r = rotation + lane;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) y[e] = 0.0f;
+#pragma unroll 8
+      for (int i = 0; i < kHeadDim; ++i) {
+        const float xi = x[i];
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) y[e] = fmaf(xi, r[i * kHeadDim + 32 * e], y[e]);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) y[e] = x[lane + 32 * e];
+    }
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) y[e] = round_to_bf16(y[e]);
+    __syncwarp();  // everyone is done reading x before the next row overwrites it
+    if (!slot.int2) {
+      bf16_t* out = bf16_pool.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) out[lane + 32 * e] = float_to_bf16(y[e]);
+    } else {
+      uint8_t* block = int2_pool.block(slot.page, head) + layer * p.pools.int2_stride_layer;
+      warp_quantize_row<kHeadDim, kGroup>(y, clip_k, s_codes[warp], int2_pool.layout.codes(block, slot.slot),
+                                          int2_pool.layout.meta(block, slot.slot), lane);
+    }
+  }
+}
+
+// blockIdx.y = layer * 2 + (0: K, 1: V); blockIdx.x strides over (demotion, head, row).
+template <int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) {
+  constexpr int kPerLane = kHeadDim / 32;
+  __shared__ uint8_t s_codes[kWarpsPerBlock][kHeadDim];
+  if (p.num_demotions <= kInBlockCheckLimit) {
+    if (!block_check(p.demotions, p.num_demotions, p.pools, p.error_flag, demotion_ok)) return;
+  } else if (*reinterpret_cast<volatile int32_t*>(p.error_flag) != 0) {
+    return;
+  }
+  const int layer = blockIdx.y / 2;
+  const bool is_value = blockIdx.y % 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t heads = p.pools.k_int2.num_kv_heads;
+  const uint32_t page_size = p.pools.k_int2.layout.page_size;
+  const uint32_t total = uint32_t(p.num_demotions) * heads * page_size;
+  const Bf16PoolRef& src_pool = is_value ? p.pools.v_bf16 : p.pools.k_bf16;
+  const Int2PoolRef& pool = is_value ? p.pools.v_int2 : p.pools.k_int2;
+  const int clip_k = (is_value ? p.pools.v_clip_rank : p.pools.k_clip_rank)[layer];
+  for (uint32_t row = blockIdx.x * kWarpsPerBlock + warp; row < total; row += gridDim.x * kWarpsPerBlock) {
+    const uint32_t token = row % page_size;
+    const uint32_t head = (row / page_size) % heads;
+    const PageDemotion d = p.demotions[row / page_size / heads];
+    if (token >= uint32_t(d.rows)) continue;
+    const bf16_t* in = src_pool.row(d.bf16_page, head, token) + layer * p.pools.bf16_stride_layer;
+    float x[kPerLane];
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) x[e] = bf16_to_float(in[lane + 32 * e]);
+    uint8_t* block = pool.block(d.int2_page, head) + layer * p.pools.int2_stride_layer;
+    warp_quantize_row<kHeadDim, kGroup>(x, clip_k, s_codes[warp], pool.layout.codes(block, token),
+                                        pool.layout.meta(block, token), lane);
+  }
+}
+
+inline Status cuda_status(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return Status::Ok();
+  return {StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(error)};
+}
+
+// Blocks along x for `rows` rows per (layer, K/V) plane: enough resident warps to hide
+// latency across the whole grid; the rest loop.
+inline dim3 grid_for(int64_t rows, int planes, int warps_per_block = kWarpsPerBlock) {
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
+  const int64_t cap = std::max<int64_t>(1, int64_t{sms} * 16 / planes);
+  return dim3(static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, cap)), static_cast<unsigned>(planes));
+}
+
+// The closed list of compiled (head_dim, quant_group_size) pairs.
+template <class Launch>
+Status dispatch_shape(int head_dim, int group, Launch&& launch) {
+#define OSCAR_WRITE_CASE(D, G) \
+  if (head_dim == D && group == G) return launch.template operator()<D, G>();
+  OSCAR_WRITE_CASE(64, 64)
+  OSCAR_WRITE_CASE(64, 32)
+  OSCAR_WRITE_CASE(128, 128)
+  OSCAR_WRITE_CASE(128, 64)
+  OSCAR_WRITE_CASE(128, 32)
+  OSCAR_WRITE_CASE(256, 256)
+  OSCAR_WRITE_CASE(256, 128)
+  OSCAR_WRITE_CASE(256, 64)
+  OSCAR_WRITE_CASE(256, 32)
+#undef OSCAR_WRITE_CASE
+  return unsupported("head_dim " + std::to_string(head_dim) + " with quant_group_size " + std::to_string(group) +
+                     " is not compiled in");
+}
+
+}  // namespace write_detail
+
+// Writes params.num_tokens new tokens of every layer in params.pools. error_flag is required.
+inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullptr) {
+  OSCAR_RETURN_IF_ERROR(validate(params));
+  if (!params.error_flag) return invalid_argument("error_flag must not be null");
+  if (params.num_tokens == 0) return Status::Ok();
+  using namespace write_detail;
+  if (params.num_tokens > kInBlockCheckLimit) {
+    check_slots_kernel<<<(params.num_tokens + 255) / 256, 256, 0, stream>>>(params.slots, params.num_tokens,
+                                                                            params.pools, params.error_flag);
+    OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "append_kv slot check launch"));
+  }
+  const int64_t rows = int64_t{params.num_tokens} * params.pools.k_int2.num_kv_heads;
+  if (rows >= (int64_t{1} << 31) || params.pools.num_layers * 2 > 65535) {
+    return invalid_argument("append_kv: too many rows or layers for one launch; split it");
+  }
+  const Int2Layout& layout = params.pools.k_int2.layout;
+  return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
+    constexpr int smem = kAppendSmemBytes<D>;
+    static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
+        cudaFuncSetAttribute(append_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
+    const bool staged = params.pools.k_rotation || params.pools.v_rotation;
+    append_kernel<D, G><<<grid_for(rows, params.pools.num_layers * 2, kAppendWarps), kAppendThreads,
+                          staged ? smem : 0, stream>>>(params);
+    return cuda_status(cudaGetLastError(), "append_kv launch");
+  });
+}
+
+// Quantizes the listed window pages of every layer into their INT2 pages. error_flag required.
+inline Status demote_kv(const DemoteParams& params, cudaStream_t stream = nullptr) {
+  OSCAR_RETURN_IF_ERROR(validate(params));
+  if (!params.error_flag) return invalid_argument("error_flag must not be null");
+  if (params.num_demotions == 0) return Status::Ok();
+  using namespace write_detail;
+  if (params.num_demotions > kInBlockCheckLimit) {
+    check_demotions_kernel<<<(params.num_demotions + 255) / 256, 256, 0, stream>>>(
+        params.demotions, params.num_demotions, params.pools, params.error_flag);
+    OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "demote_kv check launch"));
+  }
+  const Int2Layout& layout = params.pools.k_int2.layout;
+  const int64_t rows = int64_t{params.num_demotions} * params.pools.k_int2.num_kv_heads * layout.page_size;
+  if (rows >= (int64_t{1} << 31) || params.pools.num_layers * 2 > 65535) {
+    return invalid_argument("demote_kv: too many rows or layers for one launch; split it");
+  }
+  return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
+    demote_kernel<D, G><<<grid_for(rows, params.pools.num_layers * 2), kThreads, 0, stream>>>(params);
+    return cuda_status(cudaGetLastError(), "demote_kv launch");
+  });
+}
+
+}  // namespace oscar

@@ -1,0 +1,132 @@
+// Arguments of the GPU write kernels (append, demote) and their host-side validation. Host
+// code: the CPU reference builds the same slot lists (host::WritePlan), and the launchers in
+// write.cuh check these before anything is launched.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "oscar/core/config.hpp"
+#include "oscar/core/numeric.hpp"
+#include "oscar/core/status.hpp"
+#include "oscar/kv/pools.hpp"
+#include "oscar/quant/format.hpp"
+
+namespace oscar {
+
+// Where one new token goes: a BF16 slot (sink or window) or, past the window, an INT2 slot.
+struct TokenSlot {
+  int32_t page = 0;
+  int32_t slot = 0;
+  int32_t int2 = 0;  // 0: BF16 pools, 1: INT2 pools
+};
+
+// A window page that leaves BF16: rows [0, rows) are quantized from the BF16 page into the
+// same rows of the INT2 page.
+struct PageDemotion {
+  int32_t bf16_page = 0;
+  int32_t int2_page = 0;
+  int32_t rows = 0;
+};
+
+// The per-layer pools and quantizers, for one layer or (num_layers > 1) a layer-strided set:
+// layer l's pools start at the layer-0 view's data plus l * stride_layer.
+struct LayeredKvPools {
+  Bf16PoolRef k_bf16, v_bf16;    // layer 0
+  Int2PoolRef k_int2, v_int2;    // layer 0
+  int64_t bf16_stride_layer = 0;  // elements
+  int64_t int2_stride_layer = 0;  // bytes
+  int32_t num_layers = 1;
+  // R_K, R_V: float32 [num_layers][head_dim][head_dim] row-major (device memory), or null for
+  // the identity. v_rotation is ignored when values arrive pre-rotated.
+  const float* k_rotation = nullptr;
+  const float* v_rotation = nullptr;
+  // Clip ranks from clip_rank(), int32 [num_layers] (device memory); -1 disables.
+  const int32_t* k_clip_rank = nullptr;
+  const int32_t* v_clip_rank = nullptr;
+};
+
+struct AppendParams {
+  LayeredKvPools pools;
+  // New rows, bf16, post-RoPE, element (layer, token, head, dim) at
+  // k[layer * in_stride_layer + token * in_stride_token + head * head_dim + dim].
+  const bf16_t* k = nullptr;
+  const bf16_t* v = nullptr;
+  int64_t in_stride_layer = 0;  // elements
+  int64_t in_stride_token = 0;  // elements; >= num_kv_heads * head_dim
+  int32_t num_tokens = 0;
+  const TokenSlot* slots = nullptr;  // [num_tokens], device memory
+  bool values_prerotated = false;
+  // Optional, device memory: set to a non-zero code when a slot is out of range; the launch
+  // then writes nothing at all. Left untouched on success (zero it before the launch).
+  int32_t* error_flag = nullptr;
+};
+
+struct DemoteParams {
+  LayeredKvPools pools;
+  int32_t num_demotions = 0;
+  const PageDemotion* demotions = nullptr;  // [num_demotions], device memory, all layers
+  int32_t* error_flag = nullptr;            // as in AppendParams
+};
+
+// Error codes the kernels leave in error_flag.
+inline constexpr int32_t kWriteErrorSlotOutOfRange = 1;
+
+inline Status validate(const LayeredKvPools& pools) {
+  OSCAR_RETURN_IF_ERROR(validate(pools.k_bf16, "k_bf16 pool"));
+  OSCAR_RETURN_IF_ERROR(validate(pools.v_bf16, "v_bf16 pool"));
+  OSCAR_RETURN_IF_ERROR(validate(pools.k_int2, "k_int2 pool"));
+  OSCAR_RETURN_IF_ERROR(validate(pools.v_int2, "v_int2 pool"));
+  const Int2Layout& layout = pools.k_int2.layout;
+  const bool agree = pools.v_int2.layout.head_dim == layout.head_dim &&
+                     pools.v_int2.layout.quant_group_size == layout.quant_group_size &&
+                     pools.v_int2.layout.page_size == layout.page_size &&
+                     pools.k_bf16.head_dim == layout.head_dim && pools.v_bf16.head_dim == layout.head_dim &&
+                     pools.k_bf16.page_size == layout.page_size && pools.v_bf16.page_size == layout.page_size &&
+                     pools.k_bf16.num_kv_heads == pools.k_int2.num_kv_heads &&
+                     pools.v_bf16.num_kv_heads == pools.k_int2.num_kv_heads &&
+                     pools.v_int2.num_kv_heads == pools.k_int2.num_kv_heads &&
+                     pools.k_bf16.num_pages == pools.v_bf16.num_pages &&
+                     pools.k_int2.num_pages == pools.v_int2.num_pages;
+  if (!agree) {
+    return invalid_argument("pools disagree on head_dim, page_size, quant_group_size, num_kv_heads or num_pages");
+  }
+  if (pools.num_layers < 1) return invalid_argument("num_layers must be >= 1");
+  if (pools.num_layers > 1) {
+    const int64_t bf16_span = pools.k_bf16.stride_page * pools.k_bf16.num_pages;
+    const int64_t int2_span = pools.k_int2.stride_page * pools.k_int2.num_pages;
+    if (pools.bf16_stride_layer < bf16_span || pools.int2_stride_layer < int2_span) {
+      return invalid_argument("layer strides smaller than one layer's pool: layers overlap");
+    }
+    if (pools.int2_stride_layer % 16 != 0) return invalid_argument("int2_stride_layer must be a multiple of 16 bytes");
+  }
+  if (!pools.k_clip_rank || !pools.v_clip_rank) {
+    return invalid_argument("k_clip_rank and v_clip_rank must not be null (use -1 per layer to disable)");
+  }
+  return Status::Ok();
+}
+
+inline Status validate(const AppendParams& p) {
+  OSCAR_RETURN_IF_ERROR(validate(p.pools));
+  if (p.num_tokens < 0) return invalid_argument("num_tokens must be >= 0");
+  if (p.num_tokens == 0) return Status::Ok();
+  if (!p.k || !p.v || !p.slots) return invalid_argument("k, v and slots must not be null");
+  const int64_t row = int64_t{p.pools.k_int2.num_kv_heads} * p.pools.k_int2.layout.head_dim;
+  if (p.in_stride_token < row) {
+    return invalid_argument("in_stride_token " + std::to_string(p.in_stride_token) +
+                            " is smaller than num_kv_heads * head_dim = " + std::to_string(row));
+  }
+  if (p.pools.num_layers > 1 && p.in_stride_layer < p.in_stride_token * p.num_tokens) {
+    return invalid_argument("in_stride_layer smaller than one layer's rows: layers overlap");
+  }
+  return Status::Ok();
+}
+
+inline Status validate(const DemoteParams& p) {
+  OSCAR_RETURN_IF_ERROR(validate(p.pools));
+  if (p.num_demotions < 0) return invalid_argument("num_demotions must be >= 0");
+  if (p.num_demotions > 0 && !p.demotions) return invalid_argument("demotions must not be null");
+  return Status::Ok();
+}
+
+}  // namespace oscar

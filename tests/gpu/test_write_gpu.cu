@@ -1,0 +1,259 @@
+// GPU append / demote against the CPU reference cache, byte for byte: the same codes, the same
+// fp16 metadata, the same bf16 window rows, in every layer, for fresh random inputs with
+// outlier channels (and a NaN row). Bad arguments write nothing.
+#include "common/gpu_test_main.hpp"
+
+#include <cmath>
+#include <vector>
+
+#include "common/device_pools.hpp"
+#include "common/random.hpp"
+#include "host/cache_test_util.hpp"
+#include "oscar/kv/write.cuh"
+
+using namespace oscar;
+using namespace oscar::testing;
+using host::CacheConfig;
+using host::PagedCache;
+using host::RequestId;
+
+namespace {
+
+CacheConfig write_config(int d, int group, int page, int sink, int recent, int layers) {
+  CacheConfig c;
+  c.num_layers = layers;
+  c.num_kv_heads = 2;
+  c.num_qo_heads = 2;
+  c.head_dim = d;
+  c.quant_group_size = group;
+  c.page_size = page;
+  c.sink_tokens = sink;
+  c.recent_tokens = recent;
+  c.num_int2_pages = 2048 / page + 16;
+  c.num_bf16_pages = 2048 / page + 16;
+  c.max_requests = 4;
+  return c;
+}
+
+// One append step on both sides; returns the number of differing bytes.
+size_t step_both(PagedCache& cache, DevicePools& device, const std::vector<RequestId>& ids,
+                 const std::vector<int32_t>& counts, RowGenerator& keys, RowGenerator& values, bool poison_nan) {
+  const CacheConfig& c = cache.config();
+  auto plan = cache.plan_append(ids, counts);
+  REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
+  device.upload(cache);  // the pre-step state (what was written in earlier steps)
+  const int tokens = static_cast<int>(plan->slots.size());
+  KvRows kv = random_kv(keys, values, c, tokens);
+  if (poison_nan && tokens > 3) kv.k[(size_t(3) * c.num_kv_heads + 1) * c.head_dim + 7] = float_to_bf16(std::nanf(""));
+
+  DeviceArray<bf16_t> d_k(kv.k.size()), d_v(kv.v.size());
+  d_k.upload(kv.k);
+  d_v.upload(kv.v);
+  DeviceArray<TokenSlot> d_slots(plan->slots.size());
+  d_slots.upload(plan->slots);
+  DeviceArray<PageDemotion> d_demotions(plan->demotions.size());
+  d_demotions.upload(plan->demotions);
+  DeviceArray<int32_t> d_flag(1);
+  d_flag.fill_bytes(0);
+
+  DemoteParams demote;
+  demote.pools = device.view();
+  demote.num_demotions = static_cast<int32_t>(plan->demotions.size());
+  demote.demotions = d_demotions.ptr;
+  demote.error_flag = d_flag.ptr;
+  const Status ds = demote_kv(demote);
+  REQUIRE_MESSAGE(ds.ok(), ds.to_string());
+
+  AppendParams append;
+  append.pools = device.view();
+  append.k = d_k.ptr;
+  append.v = d_v.ptr;
+  append.in_stride_token = int64_t{c.num_kv_heads} * c.head_dim;
+  append.in_stride_layer = append.in_stride_token * tokens;
+  append.num_tokens = tokens;
+  append.slots = d_slots.ptr;
+  append.values_prerotated = c.values_prerotated;
+  append.error_flag = d_flag.ptr;
+  const Status as = append_kv(append);
+  REQUIRE_MESSAGE(as.ok(), as.to_string());
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  CHECK(d_flag.download()[0] == 0);
+
+  const size_t layer_stride = size_t(tokens) * c.num_kv_heads * c.head_dim;
+  for (int l = 0; l < c.num_layers; ++l) {
+    REQUIRE(cache.write(l, *plan, kv.k.data() + l * layer_stride, kv.v.data() + l * layer_stride).ok());
+  }
+  REQUIRE(cache.finish(*plan).ok());
+  return device.count_differences(cache);
+}
+
+}  // namespace
+
+TEST_CASE("append and demote are bit-exact with the CPU reference") {
+  struct Shape {
+    int d, group, page, sink, recent;
+  };
+  const Shape shapes[] = {{64, 64, 8, 4, 16},    {64, 32, 16, 0, 0},     {128, 128, 16, 64, 256},
+                          {128, 64, 32, 8, 40},   {128, 32, 256, 0, 256}, {256, 256, 16, 16, 32},
+                          {256, 128, 64, 0, 64},  {256, 32, 8, 3, 5}};
+  for (const Shape& s : shapes) {
+    for (bool prerotated : {false, true}) {
+      CAPTURE(s.d);
+      CAPTURE(s.group);
+      CAPTURE(s.page);
+      CAPTURE(prerotated);
+      CacheConfig config = write_config(s.d, s.group, s.page, s.sink, s.recent, 2);
+      config.values_prerotated = prerotated;
+      PagedCache cache = make_cache(config, true, s.d + s.page);
+      DevicePools device(cache);
+      RowGenerator keys(s.d, s.d), values(s.d + 1, s.d);
+      std::vector<RequestId> ids;
+      for (int i = 0; i < 3; ++i) ids.push_back(*cache.add_request());
+      // A prefill-sized step (direct INT2 writes), then decode-sized steps (window appends
+      // and demotions of pages written earlier), then a mixed chunk.
+      const std::vector<std::vector<int32_t>> steps{{700, 33, 1}, {1, 1, 1}, {1, 1, 1}, {40, 1, 300}};
+      for (size_t i = 0; i < steps.size(); ++i) {
+        CHECK(step_both(cache, device, ids, steps[i], keys, values, i == 0) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("unrotated cache and a single layer") {
+  CacheConfig config = write_config(128, 128, 16, 16, 32, 1);
+  PagedCache cache = make_cache(config, false);
+  DevicePools device(cache);
+  RowGenerator keys(5, 128), values(6, 128);
+  const std::vector<RequestId> ids{*cache.add_request()};
+  CHECK(step_both(cache, device, ids, {500}, keys, values, false) == 0);
+  CHECK(step_both(cache, device, ids, {17}, keys, values, false) == 0);
+}
+
+TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
+  CacheConfig config = write_config(128, 128, 16, 0, 16, 2);
+  PagedCache cache = make_cache(config, true);
+  DevicePools device(cache);
+  device.upload(cache);
+  const int tokens = 300;  // above the in-block check limit: the pre-pass kernel checks
+  std::vector<TokenSlot> slots(tokens);
+  for (int t = 0; t < tokens; ++t) slots[t] = {t / 16, t % 16, t % 2};
+  std::vector<bf16_t> k(size_t(2) * tokens * 2 * 128, float_to_bf16(1.0f)), v = k;
+  DeviceArray<bf16_t> d_k(k.size()), d_v(v.size());
+  d_k.upload(k);
+  d_v.upload(v);
+  DeviceArray<int32_t> d_flag(1);
+
+  AppendParams p;
+  p.pools = device.view();
+  p.k = d_k.ptr;
+  p.v = d_v.ptr;
+  p.in_stride_token = 2 * 128;
+  p.in_stride_layer = p.in_stride_token * tokens;
+  p.error_flag = d_flag.ptr;
+
+  for (int count : {tokens, 5}) {  // pre-pass check and in-block check
+    for (TokenSlot bad : {TokenSlot{100000, 0, 0}, TokenSlot{0, 16, 1}, TokenSlot{-1, 0, 1}, TokenSlot{0, 0, 2}}) {
+      std::vector<TokenSlot> broken(slots.begin(), slots.begin() + count);
+      broken[count / 2] = bad;
+      DeviceArray<TokenSlot> d_slots(broken.size());
+      d_slots.upload(broken);
+      p.slots = d_slots.ptr;
+      p.num_tokens = count;
+      d_flag.fill_bytes(0);
+      const auto before = device.snapshot();
+      REQUIRE(append_kv(p).ok());
+      CUDA_REQUIRE(cudaDeviceSynchronize());
+      CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
+      CHECK(device.snapshot() == before);  // nothing written
+    }
+  }
+
+  AppendParams q = p;
+  q.k = nullptr;
+  CHECK(append_kv(q).message().find("must not be null") != std::string::npos);
+  q = p;
+  q.error_flag = nullptr;
+  CHECK(append_kv(q).message().find("error_flag") != std::string::npos);
+  q = p;
+  q.pools.k_int2.layout.head_dim = 96;
+  CHECK(append_kv(q).code() == StatusCode::kUnsupported);
+  q = p;
+  q.pools.k_int2.data += 4;
+  CHECK(append_kv(q).message().find("16-byte aligned") != std::string::npos);
+  q = p;
+  q.pools.int2_stride_layer = 16;
+  CHECK(append_kv(q).message().find("layers overlap") != std::string::npos);
+  q = p;
+  q.in_stride_token = 100;
+  CHECK(append_kv(q).message().find("in_stride_token") != std::string::npos);
+  q = p;
+  q.pools.k_clip_rank = nullptr;
+  CHECK(append_kv(q).message().find("clip_rank") != std::string::npos);
+
+  DemoteParams dp;
+  dp.pools = device.view();
+  dp.error_flag = d_flag.ptr;
+  std::vector<PageDemotion> demotions{{0, 0, 16}, {1, 999999, 16}};
+  DeviceArray<PageDemotion> d_dem(demotions.size());
+  d_dem.upload(demotions);
+  dp.demotions = d_dem.ptr;
+  dp.num_demotions = 2;
+  d_flag.fill_bytes(0);
+  const auto before = device.snapshot();
+  REQUIRE(demote_kv(dp).ok());
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
+  CHECK(device.snapshot() == before);
+  dp.demotions = nullptr;
+  CHECK(demote_kv(dp).message().find("demotions must not be null") != std::string::npos);
+}
+
+TEST_CASE("append is CUDA-graph capturable and replays to the same bytes") {
+  CacheConfig config = write_config(128, 128, 16, 4, 8, 2);
+  PagedCache cache = make_cache(config, true);
+  DevicePools device(cache);
+  RowGenerator keys(7, 128), values(8, 128);
+  const std::vector<RequestId> ids{*cache.add_request(), *cache.add_request()};
+  CHECK(step_both(cache, device, ids, {100, 60}, keys, values, false) == 0);
+
+  // Capture one decode step's append, replay it into a fresh upload of the pre-step state.
+  auto plan = cache.plan_append(ids, std::vector<int32_t>{1, 1});
+  REQUIRE(plan.ok());
+  device.upload(cache);
+  const KvRows kv = random_kv(keys, values, config, 2);
+  DeviceArray<bf16_t> d_k(kv.k.size()), d_v(kv.v.size());
+  d_k.upload(kv.k);
+  d_v.upload(kv.v);
+  DeviceArray<TokenSlot> d_slots(plan->slots.size());
+  d_slots.upload(plan->slots);
+  DeviceArray<int32_t> d_flag(1);
+  d_flag.fill_bytes(0);
+  AppendParams p;
+  p.pools = device.view();
+  p.k = d_k.ptr;
+  p.v = d_v.ptr;
+  p.in_stride_token = 2 * 128;
+  p.in_stride_layer = p.in_stride_token * 2;
+  p.num_tokens = 2;
+  p.slots = d_slots.ptr;
+  p.error_flag = d_flag.ptr;
+  REQUIRE(plan->demotions.empty());  // a decode step that demotes nothing here
+
+  cudaStream_t stream;
+  CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status s = append_kv(p, stream);
+  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  REQUIRE_MESSAGE(s.ok(), s.to_string());
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  for (int l = 0; l < 2; ++l) REQUIRE(cache.write(l, *plan, kv.k.data() + l * 2 * 256, kv.v.data() + l * 2 * 256).ok());
+  REQUIRE(cache.finish(*plan).ok());
+  CHECK(device.count_differences(cache) == 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
