@@ -19,9 +19,10 @@
 //    it). Exact, and needs no A_h: one pass.
 //  - kProxy: the authors' w_t = k_{h,t} A_h k_{h,t}ᵀ. It needs A_h, which is only known once
 //    all queries were seen, and the 4th-order moment that would make one pass exact is d⁴
-//    numbers. So it takes two passes: pass 1 (add_queries / add_chunk) builds A_h; freeze it
-//    with begin_value_pass(); pass 2 (add_values_proxy) reads the same tokens again (or any
-//    representative tokens) and weights them with the frozen A_h. An engine that can run the
+//    numbers. So it takes two passes: pass 1 (add_chunk) builds A_h; freeze it with
+//    begin_value_pass() (all layers) or freeze_layer(l) (one layer, so a tool can finish a
+//    layer before reading the next); pass 2 (add_values_proxy) reads the same tokens again
+//    (or any representative tokens) and weights them with the frozen A_h. An engine that can run the
 //    calibration prompts only once may freeze A_h after a prefix of them; the result is then
 //    approximate (the weights use A_h of the prefix), which the docs say.
 // Workers of a distributed calibration merge their pass-1 accumulators, then start pass 2
@@ -122,12 +123,13 @@ class CalibrationAccumulator {
       s.wsum = Eigen::VectorXd::Zero(shape.num_kv_heads);
       acc.layers_.push_back(std::move(s));
     }
+    acc.frozen_a_.resize(shape.num_layers);
     return Result<CalibrationAccumulator>(std::move(acc));
   }
 
   const ModelShape& shape() const { return shape_; }
   ValueWeighting value_weighting() const { return weighting_; }
-  bool value_pass_started() const { return !frozen_a_.empty(); }
+  bool value_pass_started(int32_t layer) const { return !frozen_a_[layer].empty(); }
   const LayerSums& sums(int32_t layer) const { return layers_[layer]; }
   LayerSums& mutable_sums(int32_t layer) { return layers_[layer]; }  // for loaders
   void set_value_weighting(ValueWeighting w) { weighting_ = w; }     // for loaders
@@ -138,8 +140,9 @@ class CalibrationAccumulator {
     OSCAR_RETURN_IF_ERROR(check_layer(layer, tokens));
     if (tokens == 0) return Status::Ok();
     if (!q) return invalid_argument("add_chunk: q must not be null");
-    if (value_pass_started()) {
-      return failed_precondition("add_chunk: the value pass has started; A_h is frozen");
+    if (value_pass_started(layer)) {
+      return failed_precondition("add_chunk: the value pass of layer " + std::to_string(layer) +
+                                 " has started; A_h is frozen");
     }
     LayerSums& s = layers_[layer];
     const int d = shape_.head_dim, g = shape_.group_size();
@@ -166,25 +169,36 @@ class CalibrationAccumulator {
   Status begin_value_pass() { return begin_value_pass(*this); }
   Status begin_value_pass(const CalibrationAccumulator& merged) {
     if (!(merged.shape_ == shape_)) return invalid_argument("begin_value_pass: accumulators of different models");
-    std::vector<std::vector<Eigen::MatrixXd>> frozen(shape_.num_layers);
     for (int32_t l = 0; l < shape_.num_layers; ++l) {
-      const LayerSums& s = merged.layers_[l];
-      if (s.tokens == 0) {
+      if (merged.layers_[l].tokens == 0) {
         return failed_precondition("begin_value_pass: layer " + std::to_string(l) + " has no query tokens");
       }
-      for (int32_t h = 0; h < shape_.num_kv_heads; ++h) {
-        frozen[l].push_back(detail::symmetrized(s.qtq[h]) / (static_cast<double>(s.tokens) * shape_.group_size()));
-      }
     }
-    frozen_a_ = std::move(frozen);
+    for (int32_t l = 0; l < shape_.num_layers; ++l) OSCAR_RETURN_IF_ERROR(freeze_layer(l, merged));
+    return Status::Ok();
+  }
+  Status freeze_layer(int32_t layer) { return freeze_layer(layer, *this); }
+  Status freeze_layer(int32_t layer, const CalibrationAccumulator& merged) {
+    OSCAR_RETURN_IF_ERROR(check_layer(layer, 0));
+    if (!(merged.shape_ == shape_)) return invalid_argument("freeze_layer: accumulators of different models");
+    const LayerSums& s = merged.layers_[layer];
+    if (s.tokens == 0) {
+      return failed_precondition("freeze_layer: layer " + std::to_string(layer) + " has no query tokens");
+    }
+    std::vector<Eigen::MatrixXd> frozen;
+    for (int32_t h = 0; h < shape_.num_kv_heads; ++h) {
+      frozen.push_back(detail::symmetrized(s.qtq[h]) / (static_cast<double>(s.tokens) * shape_.group_size()));
+    }
+    frozen_a_[layer] = std::move(frozen);
     return Status::Ok();
   }
 
   // Pass 2 with the authors' proxy weights w_t = k A_h kᵀ. k, v: float32 [tokens, Hkv, d].
   Status add_values_proxy(int32_t layer, const float* k, const float* v, int64_t tokens) {
     OSCAR_RETURN_IF_ERROR(check_layer(layer, tokens));
-    if (!value_pass_started()) {
-      return failed_precondition("add_values_proxy: call begin_value_pass() first (A_h must be frozen)");
+    if (!value_pass_started(layer)) {
+      return failed_precondition("add_values_proxy: call begin_value_pass() or freeze_layer() first (A_h of layer " +
+                                 std::to_string(layer) + " must be frozen)");
     }
     OSCAR_RETURN_IF_ERROR(set_weighting(ValueWeighting::kProxy));
     if (tokens == 0) return Status::Ok();
@@ -253,7 +267,9 @@ class CalibrationAccumulator {
       a.value_tokens += b.value_tokens;
     }
     if (weighting_ == ValueWeighting::kNone) weighting_ = other.weighting_;
-    if (frozen_a_.empty()) frozen_a_ = other.frozen_a_;
+    for (int32_t l = 0; l < shape_.num_layers; ++l) {
+      if (frozen_a_[l].empty()) frozen_a_[l] = other.frozen_a_[l];
+    }
     return Status::Ok();
   }
 
@@ -328,7 +344,7 @@ class CalibrationAccumulator {
   ModelShape shape_;
   std::vector<LayerSums> layers_;
   ValueWeighting weighting_ = ValueWeighting::kNone;
-  std::vector<std::vector<Eigen::MatrixXd>> frozen_a_;  // [layer][kv head], set by begin_value_pass
+  std::vector<std::vector<Eigen::MatrixXd>> frozen_a_;  // [layer][kv head]; empty: not frozen
 };
 
 }  // namespace oscar::fit

@@ -187,8 +187,9 @@ inline Result<std::vector<uint8_t>> serialize_plan(const Plan& plan) {
 inline Result<Plan> plan_from_safetensors(const SafetensorsFile& file) {
   const std::string& what = file.source();
   const auto& meta = file.metadata();
-  std::string tag;
-  OSCAR_RETURN_IF_ERROR(detail::parse_string(meta, what, "format", &tag));
+  const auto format = meta.find("format");
+  if (format == meta.end()) return data_loss(what + ": not an oscar plan (no \"format\" metadata)");
+  const std::string& tag = format->second;
   if (tag != kPlanFormatTag) return data_loss(what + ": metadata \"format\" is \"" + tag + "\", not an oscar plan");
   Plan plan;
   int64_t v = 0;
