@@ -53,7 +53,7 @@ Fitting:
   --value-weights W       proxy (default): w_t = k A_h k^T, two passes per layer;
                           mass: the file's layers.{l}.attn_mass (exact attention mass).
   --held-out-fraction F   fraction of the tokens held out for the clip search (default 0.1).
-  --max-held-out-tokens N cap on held-out tokens per layer (default 2048).
+  --max-held-out-tokens N cap on held-out tokens per layer (default 1024).
   --skip-tokens N         ignore the first N tokens (warm-up; default 0).
   --seed S                seed of the held-out split and of random_hadamard (default 0).
   --no-bit-reversal       R = U·H without the bit-reversal permutation.
@@ -72,7 +72,7 @@ struct Args {
   fit::FitOptions fit;
   std::string value_weights = "proxy";
   double held_out_fraction = 0.1;
-  int64_t max_held_out = 2048;
+  int64_t max_held_out = 1024;
   int64_t skip_tokens = 0;
   int64_t chunk_tokens = 2048;
   bool quiet = false;
