@@ -526,7 +526,7 @@ inline Result<GgufFile> GgufFile::parse(std::vector<uint8_t> bytes, std::string 
       uint64_t ne = 0;
       OSCAR_RETURN_IF_ERROR(r.read(ne, what + " dimension " + std::to_string(k)));
       // 2^40 elements per dimension and in total keeps every product below 2^63.
-      if (ne == 0 || ne > (uint64_t{1} << 40) || static_cast<uint64_t>(t.elements) * ne > (uint64_t{1} << 40)) {
+      if (ne == 0 || ne > (uint64_t{1} << 40) / static_cast<uint64_t>(t.elements)) {
         return data_loss(o + ": " + what + " has an invalid dimension " + std::to_string(ne));
       }
       t.shape.push_back(static_cast<int64_t>(ne));
