@@ -33,6 +33,7 @@ class SentencePieceTokenizer {
   int32_t vocab_size() const { return static_cast<int32_t>(tokens_.size()); }
   int32_t bos_id() const { return 1; }
   int32_t eos_id() const { return 2; }
+  const std::string& token_text(int32_t id) const { return tokens_.at(static_cast<size_t>(id)); }
   int32_t find(const std::string& s) const {
     auto it = ids_.find(s);
     return it == ids_.end() ? -1 : it->second;

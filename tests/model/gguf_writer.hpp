@@ -84,8 +84,11 @@ class GgufWriter {
     return b;
   }
   static std::vector<uint8_t> str(const std::string& s) {
-    std::vector<uint8_t> b = bytes_of(static_cast<uint64_t>(s.size()));
-    b.insert(b.end(), s.begin(), s.end());
+    // Sized once: GCC 12 warns falsely (-Warray-bounds) on inserting after an 8-byte vector.
+    std::vector<uint8_t> b(8 + s.size());
+    const uint64_t n = s.size();
+    std::memcpy(b.data(), &n, 8);
+    if (n) std::memcpy(b.data() + 8, s.data(), n);
     return b;
   }
   static void append(std::vector<uint8_t>& a, const std::vector<uint8_t>& b) { a.insert(a.end(), b.begin(), b.end()); }
