@@ -186,11 +186,12 @@ class PagedKvCache final : public KvCache {
     config.max_requests = 1;
     if (page_size <= 0) return invalid_argument("--page-size must be positive");
     const int64_t pages = (capacity + page_size - 1) / page_size;
-    // BF16: sink pages + window pages (recent + page_size - 1 tokens, plus this step's) and
-    // one page of slack each; INT2: every page of the context at most.
+    // BF16: the sink pages, the window's pages (recent + page_size - 1 tokens: at most
+    // recent/page_size + 2 pages), and as many again for window pages that a long step
+    // demotes, which stay allocated until finish(); INT2: every page of the context at most.
     const int64_t sink_pages = (std::min<int64_t>(sink_tokens, capacity) + page_size - 1) / page_size;
     const int64_t window_pages = std::min<int64_t>(pages, (recent_tokens + page_size - 1) / page_size + 2);
-    config.num_bf16_pages = static_cast<int32_t>(sink_pages + window_pages + 2);
+    config.num_bf16_pages = static_cast<int32_t>(sink_pages + 2 * window_pages + 2);
     config.num_int2_pages = static_cast<int32_t>(pages + 1);
     auto cache = host::PagedCache::create(config, std::move(layers));
     if (!cache.ok()) return cache.status();

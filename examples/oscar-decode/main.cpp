@@ -11,6 +11,7 @@
 // never as one full-precision prefill.
 #include <Eigen/Core>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
