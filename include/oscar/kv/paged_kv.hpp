@@ -30,25 +30,8 @@ struct PagedKvRef {
 };
 
 inline Status validate(const PagedKvRef& kv) {
-  OSCAR_RETURN_IF_ERROR(validate(kv.k_bf16, "k_bf16 pool"));
-  OSCAR_RETURN_IF_ERROR(validate(kv.v_bf16, "v_bf16 pool"));
-  OSCAR_RETURN_IF_ERROR(validate(kv.k_int2, "k_int2 pool"));
-  OSCAR_RETURN_IF_ERROR(validate(kv.v_int2, "v_int2 pool"));
-  const int32_t head_dim = kv.k_int2.layout.head_dim;
+  OSCAR_RETURN_IF_ERROR(validate_pool_set(kv.k_bf16, kv.v_bf16, kv.k_int2, kv.v_int2));
   const int32_t page_size = kv.k_int2.layout.page_size;
-  const bool shapes_agree =
-      kv.v_int2.layout.head_dim == head_dim && kv.k_bf16.head_dim == head_dim &&
-      kv.v_bf16.head_dim == head_dim && kv.v_int2.layout.page_size == page_size &&
-      kv.k_bf16.page_size == page_size && kv.v_bf16.page_size == page_size &&
-      kv.v_int2.layout.quant_group_size == kv.k_int2.layout.quant_group_size &&
-      kv.v_int2.num_kv_heads == kv.k_int2.num_kv_heads &&
-      kv.k_bf16.num_kv_heads == kv.k_int2.num_kv_heads &&
-      kv.v_bf16.num_kv_heads == kv.k_int2.num_kv_heads &&
-      kv.k_bf16.num_pages == kv.v_bf16.num_pages && kv.k_int2.num_pages == kv.v_int2.num_pages;
-  if (!shapes_agree) {
-    return invalid_argument(
-        "pools disagree on head_dim, page_size, quant_group_size, num_kv_heads or num_pages");
-  }
   if (kv.int2.batch_size != kv.sink.batch_size || kv.recent.batch_size != kv.sink.batch_size) {
     return invalid_argument("sink, int2 and recent page tables have different batch sizes");
   }

@@ -94,4 +94,26 @@ inline Status validate(const Bf16PoolRef& pool, const char* name) {
   return Status::Ok();
 }
 
+// The four pools of one layer (K and V, BF16 and INT2): each valid on its own, and all of one
+// shape, so that a page id, head and row mean the same thing in each of them.
+inline Status validate_pool_set(const Bf16PoolRef& k_bf16, const Bf16PoolRef& v_bf16, const Int2PoolRef& k_int2,
+                                const Int2PoolRef& v_int2) {
+  OSCAR_RETURN_IF_ERROR(validate(k_bf16, "k_bf16 pool"));
+  OSCAR_RETURN_IF_ERROR(validate(v_bf16, "v_bf16 pool"));
+  OSCAR_RETURN_IF_ERROR(validate(k_int2, "k_int2 pool"));
+  OSCAR_RETURN_IF_ERROR(validate(v_int2, "v_int2 pool"));
+  const Int2Layout& layout = k_int2.layout;
+  const bool agree = v_int2.layout.head_dim == layout.head_dim &&
+                     v_int2.layout.quant_group_size == layout.quant_group_size &&
+                     v_int2.layout.page_size == layout.page_size && k_bf16.head_dim == layout.head_dim &&
+                     v_bf16.head_dim == layout.head_dim && k_bf16.page_size == layout.page_size &&
+                     v_bf16.page_size == layout.page_size && k_bf16.num_kv_heads == k_int2.num_kv_heads &&
+                     v_bf16.num_kv_heads == k_int2.num_kv_heads && v_int2.num_kv_heads == k_int2.num_kv_heads &&
+                     k_bf16.num_pages == v_bf16.num_pages && k_int2.num_pages == v_int2.num_pages;
+  if (!agree) {
+    return invalid_argument("pools disagree on head_dim, page_size, quant_group_size, num_kv_heads or num_pages");
+  }
+  return Status::Ok();
+}
+
 }  // namespace oscar

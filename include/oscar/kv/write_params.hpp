@@ -73,24 +73,7 @@ struct DemoteParams {
 inline constexpr int32_t kWriteErrorSlotOutOfRange = 1;
 
 inline Status validate(const LayeredKvPools& pools) {
-  OSCAR_RETURN_IF_ERROR(validate(pools.k_bf16, "k_bf16 pool"));
-  OSCAR_RETURN_IF_ERROR(validate(pools.v_bf16, "v_bf16 pool"));
-  OSCAR_RETURN_IF_ERROR(validate(pools.k_int2, "k_int2 pool"));
-  OSCAR_RETURN_IF_ERROR(validate(pools.v_int2, "v_int2 pool"));
-  const Int2Layout& layout = pools.k_int2.layout;
-  const bool agree = pools.v_int2.layout.head_dim == layout.head_dim &&
-                     pools.v_int2.layout.quant_group_size == layout.quant_group_size &&
-                     pools.v_int2.layout.page_size == layout.page_size &&
-                     pools.k_bf16.head_dim == layout.head_dim && pools.v_bf16.head_dim == layout.head_dim &&
-                     pools.k_bf16.page_size == layout.page_size && pools.v_bf16.page_size == layout.page_size &&
-                     pools.k_bf16.num_kv_heads == pools.k_int2.num_kv_heads &&
-                     pools.v_bf16.num_kv_heads == pools.k_int2.num_kv_heads &&
-                     pools.v_int2.num_kv_heads == pools.k_int2.num_kv_heads &&
-                     pools.k_bf16.num_pages == pools.v_bf16.num_pages &&
-                     pools.k_int2.num_pages == pools.v_int2.num_pages;
-  if (!agree) {
-    return invalid_argument("pools disagree on head_dim, page_size, quant_group_size, num_kv_heads or num_pages");
-  }
+  OSCAR_RETURN_IF_ERROR(validate_pool_set(pools.k_bf16, pools.v_bf16, pools.k_int2, pools.v_int2));
   if (pools.num_layers < 1) return invalid_argument("num_layers must be >= 1");
   if (pools.num_layers > 1) {
     const int64_t bf16_span = pools.k_bf16.stride_page * pools.k_bf16.num_pages;
