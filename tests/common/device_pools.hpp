@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common/cuda_check.hpp"
@@ -23,6 +24,12 @@ struct DeviceArray {
   }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& other) noexcept : ptr(other.ptr), count(other.count) { other.ptr = nullptr, other.count = 0; }
+  DeviceArray& operator=(DeviceArray&& other) noexcept {
+    std::swap(ptr, other.ptr);
+    std::swap(count, other.count);
+    return *this;
+  }
   ~DeviceArray() { cudaFree(ptr); }
   void upload(const T* host, size_t n) {
     REQUIRE(n <= count);

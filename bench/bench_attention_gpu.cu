@@ -1,0 +1,192 @@
+// GPU decode attention over the paged cache: our INT2 kernel, the same kernel on a BF16 cache
+// (our BF16 baseline), and the copy bandwidth, in one run, cold L2. PyTorch SDPA on BF16 K/V
+// of the same shapes is timed by bench/sdpa_baseline.py (run it in the same session).
+//   build/bench/bench_attention_gpu --benchmark_min_time=0.2
+// Sweep: {B=1: 32K, 128K; B=16: 32K; B=64: 8K} x {Hq=32 Hkv=8 d=128, Hq=9 Hkv=3 d=64}, page 16,
+// INT2 with sink 64 / window 256 (the authors' sizes); page sizes 8..256 at B=16 32K.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_timer.cuh"
+#include "oscar/attention/paged_attention.cuh"
+
+namespace {
+
+using namespace oscar;
+using oscar::bench::check;
+
+template <class T>
+T* device_copy(const std::vector<T>& host) {
+  T* p = nullptr;
+  check(cudaMalloc(&p, std::max<size_t>(1, host.size()) * sizeof(T)), "cudaMalloc");
+  if (!host.empty()) check(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return p;
+}
+
+struct HostTable {
+  std::vector<int32_t> indptr{0}, indices, last;
+};
+
+// A batch of B requests of L tokens each, pages in shuffled order, random contents.
+struct Problem {
+  AttentionShape shape;
+  AttentionPlan plan;
+  PagedAttentionParams params;
+  void* workspace = nullptr;
+  double bytes = 0;  // K/V bytes the kernel must read, plus q and out
+  std::vector<void*> allocations;
+
+  Problem(int batch, int64_t length, int hq, int hkv, int d, int page, bool int2, int sink, int recent) {
+    shape = {hq, hkv, d, d, page};
+    std::mt19937_64 rng(7);
+    std::vector<SegmentCounts> lengths(batch, int2 ? segment_counts(length, sink, recent, page)
+                                                    : SegmentCounts{length, 0, 0});
+    HostTable t[3];
+    int32_t pages[2] = {0, 0};  // BF16, INT2
+    for (int b = 0; b < batch; ++b) {
+      const int64_t n[3] = {lengths[b].sink, lengths[b].int2, lengths[b].recent};
+      for (int s = 0; s < 3; ++s) {
+        const int64_t np = (n[s] + page - 1) / page;
+        for (int64_t i = 0; i < np; ++i) t[s].indices.push_back(pages[s == 1]++);
+        t[s].indptr.push_back(static_cast<int32_t>(t[s].indices.size()));
+        t[s].last.push_back(np == 0 ? 0 : static_cast<int32_t>(n[s] - (np - 1) * page));
+      }
+    }
+    // A paged cache after churn: pages in shuffled order (within each table; sink and window
+    // drew distinct ids from the shared BF16 pool, so they stay disjoint).
+    for (auto& table : t) std::shuffle(table.indices.begin(), table.indices.end(), rng);
+
+    const Int2Layout layout{d, d, page};
+    Int2PoolRef k_int2 = Int2PoolRef::packed(nullptr, std::max(1, pages[1]), hkv, layout);
+    Bf16PoolRef k_bf16 = Bf16PoolRef::packed(nullptr, std::max(1, pages[0]), hkv, page, d);
+    std::vector<uint8_t> int2_bytes(size_t(k_int2.num_pages) * k_int2.stride_page);
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (auto& x : int2_bytes) x = uint8_t(byte(rng));
+    // Valid metadata: scale ~ 0.05, offset ~ -0.1, written over the random bytes.
+    for (int32_t p = 0; p < k_int2.num_pages; ++p)
+      for (int h = 0; h < hkv; ++h)
+        for (int s = 0; s < page; ++s) {
+          QuantMeta* m = layout.meta(int2_bytes.data() + p * k_int2.stride_page + h * k_int2.stride_head, s);
+          m->scale = float_to_fp16(0.05f);
+          m->offset = float_to_fp16(-0.1f);
+        }
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<bf16_t> bf16(size_t(k_bf16.num_pages) * k_bf16.stride_page);
+    for (auto& x : bf16) x = float_to_bf16(0.3f * normal(rng));
+    auto keep = [&](void* p) {
+      allocations.push_back(p);
+      return p;
+    };
+    params.kv.k_int2 = k_int2;
+    params.kv.v_int2 = k_int2;
+    params.kv.k_int2.data = static_cast<uint8_t*>(keep(device_copy(int2_bytes)));
+    params.kv.v_int2.data = static_cast<uint8_t*>(keep(device_copy(int2_bytes)));
+    params.kv.k_bf16 = k_bf16;
+    params.kv.v_bf16 = k_bf16;
+    params.kv.k_bf16.data = static_cast<bf16_t*>(keep(device_copy(bf16)));
+    params.kv.v_bf16.data = static_cast<bf16_t*>(keep(device_copy(bf16)));
+    PageTableRef* refs[3] = {&params.kv.sink, &params.kv.int2, &params.kv.recent};
+    for (int s = 0; s < 3; ++s) {
+      *refs[s] = {static_cast<int32_t*>(keep(device_copy(t[s].indptr))),
+                  static_cast<int32_t*>(keep(device_copy(t[s].indices))),
+                  static_cast<int32_t*>(keep(device_copy(t[s].last))), batch, page};
+    }
+    std::vector<bf16_t> q(size_t(batch) * hq * d);
+    for (auto& x : q) x = float_to_bf16(normal(rng));
+    params.num_qo_heads = hq;
+    params.q = static_cast<bf16_t*>(keep(device_copy(q)));
+    params.out = static_cast<bf16_t*>(keep(device_copy(q)));
+    std::vector<float> r(size_t(d) * d, 0.0f);
+    for (int i = 0; i < d; ++i) r[size_t(i) * d + i] = 1.0f;  // rotation cost is the same for any R
+    params.q_rotation = static_cast<float*>(keep(device_copy(r)));
+    params.output_unrotation = static_cast<float*>(keep(device_copy(r)));
+
+    auto made = make_attention_plan(shape, lengths, {}, {});
+    if (!made.ok()) {
+      std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
+      std::exit(1);
+    }
+    plan = std::move(made).value();
+    check(cudaMalloc(&workspace, plan.workspace_bytes()), "workspace");
+    allocations.push_back(workspace);
+    const Status up = upload_attention_plan(plan, workspace, plan.workspace_bytes());
+    if (!up.ok()) std::exit(1);
+    check(cudaDeviceSynchronize(), "upload");
+    for (const auto& l : lengths) {
+      bytes += double(hkv) * (attention_tile_bytes(shape, true) / 16.0 * l.int2 +
+                              attention_tile_bytes(shape, false) / 16.0 * (l.sink + l.recent));
+    }
+    bytes += 2.0 * q.size() * sizeof(bf16_t);
+  }
+  ~Problem() {
+    for (void* p : allocations) cudaFree(p);
+  }
+  void run() {
+    const Status s = paged_attention(plan, params, workspace, plan.workspace_bytes());
+    if (!s.ok()) {
+      std::fprintf(stderr, "paged_attention: %s\n", s.to_string().c_str());
+      std::exit(1);
+    }
+  }
+};
+
+void BM_CopyBandwidth(benchmark::State& state) {
+  const size_t bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  check(cudaMalloc(&a, bytes), "malloc");
+  check(cudaMalloc(&b, bytes), "malloc");
+  oscar::bench::time_kernel(state, 2.0 * bytes, [&] { check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice), "copy"); });
+  oscar::bench::copy_gbps() = state.counters["GB/s"];
+  cudaFree(a);
+  cudaFree(b);
+}
+
+void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, int hkv, int d, int page, bool int2) {
+  Problem problem(batch, length, hq, hkv, d, page, int2, 64, 256);
+  oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
+  const double gbps = state.counters["GB/s"];
+  if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
+  state.counters["items"] = double(problem.plan.items.size());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::RegisterBenchmark("copy", BM_CopyBandwidth)->UseManualTime()->Unit(benchmark::kMicrosecond);
+  struct Case {
+    int batch;
+    int64_t length;
+  };
+  const Case cases[] = {{1, 32768}, {1, 131072}, {16, 32768}, {64, 8192}};
+  struct Heads {
+    int hq, hkv, d;
+  };
+  const Heads heads[] = {{32, 8, 128}, {9, 3, 64}};
+  for (const Heads& h : heads) {
+    for (const Case& c : cases) {
+      for (bool int2 : {true, false}) {
+        const std::string name = std::string(int2 ? "int2" : "bf16") + "/hq" + std::to_string(h.hq) + "_hkv" +
+                                 std::to_string(h.hkv) + "_d" + std::to_string(h.d) + "/B" + std::to_string(c.batch) +
+                                 "/L" + std::to_string(c.length) + "/page16";
+        benchmark::RegisterBenchmark(name.c_str(), BM_Attention, c.batch, c.length, h.hq, h.hkv, h.d, 16, int2)
+            ->UseManualTime()
+            ->Unit(benchmark::kMicrosecond);
+      }
+    }
+  }
+  for (int page : {8, 64, 256}) {
+    const std::string name = "int2/hq32_hkv8_d128/B16/L32768/page" + std::to_string(page);
+    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, page, true)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,214 @@
+// The host plan of GPU paged attention (decode and extend): how the keys of every request are
+// split into chunks (split-KV), one GPU work item per (request, column tile, chunk), and how
+// large the workspace must be. Pure host code, so engines and tests can inspect a plan without
+// a GPU; attention/paged_attention.cuh uploads it and runs the kernel.
+//
+// The plan/run split is FlashInfer's: plan once per step on the host from the lengths the
+// engine already knows (no device read), then run, which allocates nothing and never
+// synchronizes (CUDA-graph capturable for a fixed plan).
+//
+// Chunks are sized in bytes, not tokens: an INT2 token costs ~7x fewer bytes than a BF16
+// token, so a chunk of INT2 pages holds ~7x more tokens for the same work (kernels.md §2.6).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "oscar/core/config.hpp"
+#include "oscar/core/status.hpp"
+#include "oscar/quant/format.hpp"
+
+namespace oscar {
+
+// Keys are processed in tiles of this many tokens (the M dimension of one MMA).
+inline constexpr int kAttentionTileTokens = 16;
+// One column tile: this many (query token, query head) columns share one pass over the keys
+// (the N dimension of one MMA). A decode step of a GQA group of up to 8 heads is one tile.
+inline constexpr int kAttentionTileColumns = 8;
+
+struct AttentionShape {
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 128;
+  int32_t quant_group_size = 128;
+  int32_t page_size = 16;
+
+  int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+};
+
+struct AttentionPlanOptions {
+  int32_t num_sms = 132;  // streaming multiprocessors of the target GPU
+  // Thread blocks to aim for per SM. Fewer means longer chunks and less partial-state traffic;
+  // more means more bytes in flight. 0: the default below.
+  int32_t target_blocks_per_sm = 0;
+  // The shortest chunk, in bytes of K and V of one KV head: below it, partial states cost
+  // more than they save.
+  int64_t min_chunk_bytes = 32 * 1024;
+};
+
+inline constexpr int32_t kDefaultTargetBlocksPerSm = 2;
+// A request is cut into at most this many chunks: the last block merges them all, and more
+// partial states cost more to write and read than the parallelism gains.
+inline constexpr int32_t kMaxAttentionChunks = 32;
+
+// One thread block's work (for every KV head: the grid is items x num_kv_heads). Tiles are
+// numbered over the request's segments in order: ceil(sink/16) sink tiles, then ceil(int2/16)
+// INT2 tiles, then ceil(recent/16) recent tiles.
+struct AttentionWorkItem {
+  int32_t request = 0;
+  int32_t column_tile = 0;  // columns [8*column_tile, 8*column_tile + 8) of the request
+  int32_t tile_begin = 0;
+  int32_t tile_end = 0;
+  int32_t first_item = 0;   // the first chunk of this (request, column tile)
+  int32_t num_chunks = 1;   // 1: the block writes the output itself, no partial state
+  int32_t counter = 0;      // index of the arrival counter of this (request, column tile)
+  int32_t reserved = 0;
+};
+static_assert(sizeof(AttentionWorkItem) == 32);
+
+struct AttentionPlan {
+  AttentionShape shape;
+  int32_t batch_size = 0;
+  bool decode = true;  // one query token per request
+  std::vector<AttentionWorkItem> items;
+  int32_t num_counters = 0;  // (request, column tile) pairs split into more than one chunk
+
+  // Workspace layout (device, 256-byte aligned parts): work items, arrival counters, partial
+  // outputs [items][kv_heads][8][head_dim] float and partial lse [items][kv_heads][8] float.
+  static constexpr size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
+  size_t items_bytes() const { return align(items.size() * sizeof(AttentionWorkItem)); }
+  size_t counters_bytes() const { return align(size_t(num_counters) * shape.num_kv_heads * sizeof(int32_t)); }
+  size_t partial_o_bytes() const {
+    return align(items.size() * shape.num_kv_heads * kAttentionTileColumns * shape.head_dim * sizeof(float));
+  }
+  size_t partial_lse_bytes() const {
+    return align(items.size() * shape.num_kv_heads * kAttentionTileColumns * sizeof(float));
+  }
+  size_t workspace_bytes() const {
+    return items_bytes() + counters_bytes() + partial_o_bytes() + partial_lse_bytes();
+  }
+};
+
+OSCAR_HOST_DEVICE constexpr int64_t attention_tiles(int64_t tokens) {
+  return (tokens + kAttentionTileTokens - 1) / kAttentionTileTokens;
+}
+
+// Bytes of K and V one tile of a segment reads for one KV head (the cost the chunks balance).
+inline int64_t attention_tile_bytes(const AttentionShape& shape, bool int2) {
+  const int64_t row = int2 ? shape.head_dim / 4 + 4 * (shape.head_dim / shape.quant_group_size)
+                           : 2 * int64_t{shape.head_dim};
+  return 2 * row * kAttentionTileTokens;
+}
+
+inline Status validate(const AttentionShape& shape) {
+  if (shape.num_kv_heads <= 0 || shape.num_qo_heads <= 0 || shape.num_qo_heads % shape.num_kv_heads != 0) {
+    return invalid_argument("num_qo_heads " + std::to_string(shape.num_qo_heads) +
+                            " is not a positive multiple of num_kv_heads " + std::to_string(shape.num_kv_heads));
+  }
+  if (shape.group_size() > kAttentionTileColumns) {
+    return unsupported("GQA group of " + std::to_string(shape.group_size()) +
+                       " query heads per KV head is not supported (at most 8)");
+  }
+  OSCAR_RETURN_IF_ERROR(validate(Int2Layout{shape.head_dim, shape.quant_group_size, shape.page_size}));
+  if (shape.quant_group_size != shape.head_dim) {
+    return unsupported("GPU attention reads INT2 pages with one quantization group per row; quant_group_size " +
+                       std::to_string(shape.quant_group_size) + " < head_dim " + std::to_string(shape.head_dim) +
+                       " runs on the CPU reference only");
+  }
+  return Status::Ok();
+}
+
+// Plans attention for a batch whose request b has segments[b] cached tokens (sink, INT2,
+// recent; the INT2 count a multiple of page_size) and query_tokens[b] query tokens (its
+// newest cached tokens, causal). An empty query_tokens means decode: one query per request.
+inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, std::span<const SegmentCounts> segments,
+                                                 std::span<const int32_t> query_tokens = {},
+                                                 const AttentionPlanOptions& options = {}) {
+  OSCAR_RETURN_IF_ERROR(validate(shape));
+  if (!query_tokens.empty() && query_tokens.size() != segments.size()) {
+    return invalid_argument("query_tokens has " + std::to_string(query_tokens.size()) + " entries for " +
+                            std::to_string(segments.size()) + " requests");
+  }
+  if (options.num_sms <= 0) return invalid_argument("num_sms must be positive");
+  AttentionPlan plan;
+  plan.shape = shape;
+  plan.batch_size = static_cast<int32_t>(segments.size());
+  plan.decode = query_tokens.empty();
+
+  const int64_t int2_tile = attention_tile_bytes(shape, true);
+  const int64_t bf16_tile = attention_tile_bytes(shape, false);
+  std::vector<int64_t> column_tiles(segments.size());
+  int64_t total_bytes = 0;  // per KV head, over every column tile
+  for (size_t b = 0; b < segments.size(); ++b) {
+    const SegmentCounts& s = segments[b];
+    if (s.sink < 0 || s.int2 < 0 || s.recent < 0 || s.int2 % shape.page_size != 0) {
+      return invalid_argument("request " + std::to_string(b) + ": segment lengths must be >= 0 and the INT2 "
+                              "segment whole pages of " + std::to_string(shape.page_size));
+    }
+    const int64_t length = s.sink + s.int2 + s.recent;
+    const int64_t queries = plan.decode ? 1 : query_tokens[b];
+    if (queries < 0 || queries > length || (plan.decode && length == 0)) {
+      return invalid_argument("request " + std::to_string(b) + " has " + std::to_string(queries) +
+                              " query tokens but " + std::to_string(length) +
+                              " cached tokens (queries are the newest cached tokens)");
+    }
+    column_tiles[b] = (queries * shape.group_size() + kAttentionTileColumns - 1) / kAttentionTileColumns;
+    const int64_t bytes = attention_tiles(s.sink) * bf16_tile + attention_tiles(s.int2) * int2_tile +
+                          attention_tiles(s.recent) * bf16_tile;
+    total_bytes += bytes * column_tiles[b];
+  }
+
+  const int64_t blocks_per_sm =
+      options.target_blocks_per_sm > 0 ? options.target_blocks_per_sm : kDefaultTargetBlocksPerSm;
+  const int64_t target_items = std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
+  const int64_t chunk_bytes = std::max(options.min_chunk_bytes, (total_bytes + target_items - 1) / target_items);
+
+  for (size_t b = 0; b < segments.size(); ++b) {
+    const SegmentCounts& s = segments[b];
+    const int32_t tiles[3] = {static_cast<int32_t>(attention_tiles(s.sink)),
+                              static_cast<int32_t>(attention_tiles(s.int2)),
+                              static_cast<int32_t>(attention_tiles(s.recent))};
+    const int64_t tile_cost[3] = {bf16_tile, int2_tile, bf16_tile};
+    // Cut the request's tiles into chunks of about chunk_bytes (at most kMaxAttentionChunks),
+    // walking the segments in order.
+    const int64_t request_bytes = tiles[0] * tile_cost[0] + tiles[1] * tile_cost[1] + tiles[2] * tile_cost[2];
+    const int64_t request_chunk =
+        std::max(chunk_bytes, (request_bytes + kMaxAttentionChunks - 1) / kMaxAttentionChunks);
+    std::vector<int32_t> cuts{0};
+    int64_t filled = 0;
+    int32_t tile = 0;
+    for (int seg = 0; seg < 3; ++seg) {
+      for (int32_t t = 0; t < tiles[seg]; ++t, ++tile) {
+        if (filled >= request_chunk) {
+          cuts.push_back(tile);
+          filled = 0;
+        }
+        filled += tile_cost[seg];
+      }
+    }
+    cuts.push_back(tile);
+    const int32_t chunks = static_cast<int32_t>(cuts.size()) - 1;
+    for (int64_t c = 0; c < column_tiles[b]; ++c) {
+      const int32_t first = static_cast<int32_t>(plan.items.size());
+      const int32_t counter = chunks > 1 ? plan.num_counters++ : -1;
+      for (int32_t k = 0; k < chunks; ++k) {
+        AttentionWorkItem item;
+        item.request = static_cast<int32_t>(b);
+        item.column_tile = static_cast<int32_t>(c);
+        item.tile_begin = cuts[k];
+        item.tile_end = cuts[k + 1];
+        item.first_item = first;
+        item.num_chunks = chunks;
+        item.counter = counter;
+        plan.items.push_back(item);
+      }
+    }
+  }
+  if (plan.items.size() > size_t{INT32_MAX}) return invalid_argument("attention plan: too many work items");
+  return plan;
+}
+
+}  // namespace oscar

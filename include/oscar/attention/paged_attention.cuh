@@ -1,0 +1,882 @@
+// GPU paged attention over the OSCAR cache: decode (one query per request) and extend (several
+// causal queries per request) over the three segments of every request (BF16 sink, INT2 pages,
+// BF16 recent window), split-KV with the exact log-sum-exp merge, in one launch.
+//
+// Design (kernels.md §2):
+// - Swap-AB tensor-core MMA (m16n8k16): 16 key tokens in M, 8 columns in N, where a column is
+//   one (query token, query head) of the block's KV head; a decode step of a GQA group of up
+//   to 8 heads is one pass over the keys.
+// - INT2 keys: q·k̂ = s·(q·c) + offset·Σq per token, so the MMA runs on the raw codes. A code
+//   becomes an fp16 with one LOP3 (the field ORed into the mantissa of 1024: 1024 + 4^k·c) and
+//   one HFMA2 that removes the 1024 and the 4^k exactly, so the MMA sees c ∈ {0,1,2,3}. No
+//   channel shuffle: each lane reads contiguous bytes of a row, and q's channels are placed
+//   in the B fragment to match the bytes it reads (the fragment order is folded into q, not
+//   into the stored format, so format v1 pages are read as they are).
+// - INT2 values: o = Σ_t (p_t·s_t)·c_t + Σ_t p_t·offset_t. The probabilities are scaled per
+//   token, transposed into the B fragment with movmatrix, and the offset term is one running
+//   scalar per column. V^T is the A operand: two tokens' codes share a register, built with
+//   one PRMT per 2x16 codes.
+// - BF16 tiles (sink/window, or a whole BF16 cache: our BF16 baseline) go through the same
+//   state; q is split into bf16 hi + lo parts there so the score keeps ~16 bits.
+// - Each warp owns every 8th tile of the block's chunk and its own online-softmax state; the
+//   block merges its warps, and the last block of a split request (arrival counter) merges the
+//   chunks and un-rotates the output. One launch, no host sync, no allocation.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "oscar/attention/attention_plan.hpp"
+#include "oscar/attention/paged_attention_params.hpp"
+#include "oscar/core/status.hpp"
+#include "oscar/kv/paged_kv.hpp"
+
+namespace oscar {
+namespace attention_detail {
+
+inline constexpr int kWarps = 8;
+inline constexpr int kThreads = kWarps * 32;
+inline constexpr int kCols = kAttentionTileColumns;
+inline constexpr unsigned kFullMask = 0xffffffffu;
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- register-level building blocks ------------------------------------------------------
+
+OSCAR_DEVICE uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+OSCAR_DEVICE __half2 bits_half2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+OSCAR_DEVICE uint32_t pack_half2(float lo, float hi) { return half2_bits(__floats2half2_rn(lo, hi)); }
+OSCAR_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Codes of field k (bits 2k..2k+1 of bytes 0 and 2 of w) as two exact fp16 values 0..3.
+template <int k>
+OSCAR_DEVICE uint32_t unpack_field(uint32_t w) {
+  uint32_t magic;  // (w & mask) | 0x64006400: fp16 1024 + 4^k·c in each half
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(magic) : "r"(w), "r"(0x00030003u << (2 * k)), "r"(0x64006400u));
+  constexpr float inv = 1.0f / float(1 << (2 * k));
+  const __half2 scale = __float2half2_rn(inv);            // exact: a power of two
+  const __half2 bias = __float2half2_rn(-1024.0f * inv);  // exact
+  return half2_bits(__hfma2(bits_half2(magic), scale, bias));  // exact: the result is c
+}
+
+OSCAR_DEVICE void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+OSCAR_DEVICE void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Transposes the 8x8 16-bit matrix whose row lane/4, columns 2(lane%4)+{0,1} this lane holds.
+OSCAR_DEVICE uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+template <int kWords>
+OSCAR_DEVICE void load_words(const void* p, uint32_t (&w)[kWords]) {
+  if constexpr (kWords == 1) {
+    w[0] = __ldg(static_cast<const uint32_t*>(p));
+  } else if constexpr (kWords == 2) {
+    const uint2 v = __ldg(static_cast<const uint2*>(p));
+    w[0] = v.x;
+    w[1] = v.y;
+  } else {
+    static_assert(kWords == 4);
+    const uint4 v = __ldg(static_cast<const uint4*>(p));
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+  }
+}
+
+// ---- the channel order of the value fragments -----------------------------------------------
+// Lane group r (lane / 4) reads bytes [r·D/32, (r+1)·D/32) of every value row. Its register i
+// (0 <= i < D/8) of a token pair holds field i%4 of byte 2(i/8) + (i%8)/4 of that range, i.e.
+// (format v1, one group per row) channel value_channel<D>(r, i). Output slot (m-tile M, row r)
+// is register 2M, slot (M, row r+8) register 2M+1. BF16 value tiles load the same channels.
+template <int D>
+OSCAR_HOST_DEVICE constexpr int value_channel(int r, int i) {
+  return r * (D / 32) + 2 * (i / 8) + (i % 8) / 4 + (i % 4) * (D / 4);
+}
+
+// Per-warp online-softmax state for this lane's two columns (2j, 2j+1) and its slots of o.
+template <int D>
+struct WarpState {
+  float o[D / 16][4];
+  float m[2];
+  float l[2];       // lane-partial; summed over the 8 lanes of a column at the end
+  float offset[2];  // lane-partial Σ p·offset of INT2 values
+};
+
+struct TileContext {
+  int64_t key_position0;  // position of the tile's first key in the request
+  int valid;              // keys of the tile inside the segment (1..16)
+  bool causal;
+  int64_t q_pos[2];  // positions of this lane's two columns' queries
+};
+
+// Masks, runs the online-softmax update on this lane's scores s[token r / r+8][column], and
+// returns the probabilities in s. Rescales the warp's o and offset sums when the max moves.
+template <int D>
+OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileContext& tc, int r) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = r + 8 * half;
+    const bool in_segment = row < tc.valid;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const bool visible = in_segment && (!tc.causal || tc.key_position0 + row <= tc.q_pos[i]);
+      if (!visible) s[half][i] = -INFINITY;
+    }
+  }
+  float alpha[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float tile_max = fmaxf(s[0][i], s[1][i]);
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 4));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 8));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 16));
+    const float m_new = fmaxf(st.m[i], tile_max);
+    const bool empty = m_new == -INFINITY;
+    alpha[i] = empty ? 1.0f : exp2f(st.m[i] - m_new);
+    s[0][i] = empty ? 0.0f : exp2f(s[0][i] - m_new);
+    s[1][i] = empty ? 0.0f : exp2f(s[1][i] - m_new);
+    st.m[i] = m_new;
+    st.l[i] = st.l[i] * alpha[i] + s[0][i] + s[1][i];
+    st.offset[i] *= alpha[i];
+  }
+  if (__any_sync(kFullMask, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) {
+      st.o[mt][0] *= alpha[0];
+      st.o[mt][1] *= alpha[1];
+      st.o[mt][2] *= alpha[0];
+      st.o[mt][3] *= alpha[1];
+    }
+  }
+}
+
+// Where the two 8-token halves of a tile live: page slot pointers (null past the segment).
+struct TileHalves {
+  int32_t page[2];
+  int32_t slot[2];
+  bool present[2];
+};
+
+OSCAR_DEVICE TileHalves locate_tile(const PageTableRef& table, int32_t request, int64_t t0, int64_t n) {
+  TileHalves h;
+  const int32_t base = table.indptr[request];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t token = t0 + 8 * half;
+    h.present[half] = token < n;
+    h.page[half] = h.present[half] ? __ldg(table.indices + base + static_cast<int32_t>(token / table.page_size)) : 0;
+    h.slot[half] = static_cast<int32_t>(token % table.page_size);
+  }
+  return h;
+}
+
+// The raw bytes one lane needs of one INT2 tile: key rows r and r+8, the metadata of those
+// tokens, value rows 2j, 2j+1, 2j+8, 2j+9. Loaded one or two tiles ahead of their use, so
+// every warp keeps several tiles' loads in flight (the kernel is bound by bytes in flight).
+template <int D>
+struct Int2TileRaw {
+  static constexpr int kKWords = D / 64;  // key words per lane per token
+  static constexpr int kVBytes = D / 32;  // value bytes per lane per token
+  static constexpr int kVWords = kVBytes >= 4 ? kVBytes / 4 : 1;
+  uint32_t kw[2][kKWords];
+  uint32_t kmeta[2], vmeta[2];
+  uint32_t vw[4][kVWords];
+  int valid;  // keys of the tile inside the segment; 0: nothing loaded
+  int64_t key_position0;
+};
+
+template <int D>
+OSCAR_DEVICE void load_int2_tile(Int2TileRaw<D>& raw, const PageTableRef& table, int32_t request, int64_t t0,
+                                 int64_t n, int64_t segment_start, const Int2PoolRef& kpool, const Int2PoolRef& vpool,
+                                 int32_t head, int lane) {
+  using Raw = Int2TileRaw<D>;
+  const int r = lane / 4;
+  const int j = lane % 4;
+  const Int2Layout& layout = kpool.layout;
+  const int64_t left = n - t0;
+  raw.valid = left <= 0 ? 0 : (left < kAttentionTileTokens ? static_cast<int>(left) : kAttentionTileTokens);
+  raw.key_position0 = segment_start + t0;
+  const TileHalves th = raw.valid > 0 ? locate_tile(table, request, t0, n) : TileHalves{{0, 0}, {0, 0}, {false, false}};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const bool key_ok = th.present[half] && r + 8 * half < raw.valid;
+    const uint8_t* kblock = kpool.block(th.page[half], head);
+    const uint8_t* vblock = vpool.block(th.page[half], head);
+    const int32_t slot = th.slot[half] + r;
+    if (key_ok) {
+      load_words(layout.codes(kblock, slot) + j * (D / 16), raw.kw[half]);
+      raw.kmeta[half] = __ldg(reinterpret_cast<const uint32_t*>(layout.meta(kblock, slot)));
+      raw.vmeta[half] = __ldg(reinterpret_cast<const uint32_t*>(layout.meta(vblock, slot)));
+    } else {
+#pragma unroll
+      for (int w = 0; w < Raw::kKWords; ++w) raw.kw[half][w] = 0;
+      raw.kmeta[half] = 0;
+      raw.vmeta[half] = 0;
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int row = 2 * j + t + 8 * half;
+      uint32_t* dst = raw.vw[2 * half + t];
+      if (th.present[half] && row < raw.valid) {
+        const uint8_t* p = layout.codes(vblock, th.slot[half] + 2 * j + t) + r * Raw::kVBytes;
+        if constexpr (Raw::kVBytes == 2) {
+          dst[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+        } else {
+          load_words(p, raw.vw[2 * half + t]);
+        }
+      } else {
+#pragma unroll
+        for (int w = 0; w < Raw::kVWords; ++w) dst[w] = 0;
+      }
+    }
+  }
+}
+
+// Scores, softmax and values of one loaded INT2 tile.
+template <int D>
+OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], const float (&qsum)[2],
+                            const Int2TileRaw<D>& raw, TileContext& tc, float scale2, int lane) {
+  using Raw = Int2TileRaw<D>;
+  constexpr int kKWords = Raw::kKWords;
+  constexpr int kVBytes = Raw::kVBytes;
+  constexpr int kVWords = Raw::kVWords;
+  constexpr int kUnits = D / 64;  // 16-bit value units per lane per token
+  const int r = lane / 4;
+  tc.valid = raw.valid;
+  tc.key_position0 = raw.key_position0;
+  const auto& kw = raw.kw;
+  const auto& vw = raw.vw;
+  const uint32_t* kmeta = raw.kmeta;
+  const uint32_t* vmeta = raw.vmeta;
+
+  // Scores: one fp32 accumulator (the whole row is one quantization group).
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int wi = 0; wi < kKWords; ++wi) {
+    const uint32_t lo0 = kw[0][wi], lo1 = kw[1][wi];
+    const uint32_t hi0 = lo0 >> 8, hi1 = lo1 >> 8;
+#define OSCAR_KSTEP(K)                                                                              \
+  {                                                                                                 \
+    const uint32_t a[4] = {unpack_field<K>(lo0), unpack_field<K>(lo1), unpack_field<K>(hi0),        \
+                           unpack_field<K>(hi1)};                                                   \
+    mma_f16(acc, a, qf[wi * 4 + K][0], qf[wi * 4 + K][1]);                                          \
+  }
+    OSCAR_KSTEP(0) OSCAR_KSTEP(1) OSCAR_KSTEP(2) OSCAR_KSTEP(3)
+#undef OSCAR_KSTEP
+  }
+  float sk[2], ok[2], sv[2], ov[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float2 km = __half22float2(bits_half2(kmeta[half]));  // (scale, offset)
+    const float2 vm = __half22float2(bits_half2(vmeta[half]));
+    sk[half] = km.x;
+    ok[half] = km.y;
+    sv[half] = vm.x;
+    ov[half] = vm.y;
+  }
+  float s[2][2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) s[half][i] = (acc[2 * half + i] * sk[half] + ok[half] * qsum[i]) * scale2;
+  }
+  softmax_step<D>(st, s, tc, r);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    // Masked keys have p = 0 and metadata 0, so they add nothing (no 0·NaN from unread data).
+    st.offset[i] += s[0][i] * ov[0] + s[1][i] * ov[1];
+  }
+  const uint32_t b0 = transpose8x8(pack_half2(s[0][0] * sv[0], s[0][1] * sv[0]));
+  const uint32_t b1 = transpose8x8(pack_half2(s[1][0] * sv[1], s[1][1] * sv[1]));
+
+  // Values: token pairs (2j, 2j+1) and (2j+8, 2j+9) interleaved into one register per unit.
+  uint32_t x[2][kUnits];
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {
+    const uint32_t* t0 = vw[2 * pair];
+    const uint32_t* t1 = vw[2 * pair + 1];
+    if constexpr (kVBytes == 2) {
+      x[pair][0] = t0[0] | (t1[0] << 16);
+    } else {
+#pragma unroll
+      for (int w = 0; w < kVWords; ++w) {
+        x[pair][2 * w] = __byte_perm(t0[w], t1[w], 0x5410);
+        x[pair][2 * w + 1] = __byte_perm(t0[w], t1[w], 0x7632);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    uint32_t c01[8], c89[8];  // registers u*8 .. u*8+7 of the two token pairs
+    const uint32_t xlo0 = x[0][u], xhi0 = x[0][u] >> 8, xlo1 = x[1][u], xhi1 = x[1][u] >> 8;
+    c01[0] = unpack_field<0>(xlo0); c01[1] = unpack_field<1>(xlo0);
+    c01[2] = unpack_field<2>(xlo0); c01[3] = unpack_field<3>(xlo0);
+    c01[4] = unpack_field<0>(xhi0); c01[5] = unpack_field<1>(xhi0);
+    c01[6] = unpack_field<2>(xhi0); c01[7] = unpack_field<3>(xhi0);
+    c89[0] = unpack_field<0>(xlo1); c89[1] = unpack_field<1>(xlo1);
+    c89[2] = unpack_field<2>(xlo1); c89[3] = unpack_field<3>(xlo1);
+    c89[4] = unpack_field<0>(xhi1); c89[5] = unpack_field<1>(xhi1);
+    c89[6] = unpack_field<2>(xhi1); c89[7] = unpack_field<3>(xhi1);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
+      mma_f16(st.o[u * 4 + q], a, b0, b1);
+    }
+  }
+}
+
+// One BF16 tile (sink, window, or a BF16 cache) for one warp. qb holds this lane's bf16
+// fragments of q: [k-step] {hi b0b1, hi b2b3, lo b0b1, lo b2b3}.
+template <int D>
+OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef& kpool, const Bf16PoolRef& vpool,
+                            int32_t head, const TileHalves& th, const TileContext& tc, float scale2, int lane) {
+  constexpr int kVWords = D / 64;  // words per load of D/32 channels
+  const int r = lane / 4;
+  const int j = lane % 4;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  uint4 krow[2][D / 32];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const bool ok = th.present[half] && r + 8 * half < tc.valid;
+    const bf16_t* row = kpool.row(th.page[half], head, th.slot[half] + r);
+#pragma unroll
+    for (int blk = 0; blk < D / 32; ++blk) {
+      krow[half][blk] = ok ? __ldg(reinterpret_cast<const uint4*>(row + blk * 32 + 8 * j)) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  // Values: channels value_channel(r, ·) of tokens 2j, 2j+1, 2j+8, 2j+9.
+  uint32_t vw[4][4][kVWords];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int row_in_tile = 2 * j + t + 8 * half;
+      const bool ok = th.present[half] && row_in_tile < tc.valid;
+      const bf16_t* row = vpool.row(th.page[half], head, th.slot[half] + 2 * j + t);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (ok) {
+          load_words(row + r * (D / 32) + k * (D / 4), vw[2 * half + t][k]);
+        } else {
+#pragma unroll
+          for (int w = 0; w < kVWords; ++w) vw[2 * half + t][k][w] = 0;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const uint4 r0 = krow[0][s / 2], r1 = krow[1][s / 2];
+    const uint32_t a[4] = {s % 2 ? r0.z : r0.x, s % 2 ? r1.z : r1.x, s % 2 ? r0.w : r0.y, s % 2 ? r1.w : r1.y};
+    const uint4 q = qb[s * 32];
+    mma_bf16(acc, a, q.x, q.y);
+    mma_bf16(acc, a, q.z, q.w);
+  }
+  float sc[2][2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) sc[half][i] = acc[2 * half + i] * scale2;
+  }
+  softmax_step<D>(st, sc, tc, r);
+  const uint32_t b0 = transpose8x8(pack_bf16x2(sc[0][0], sc[0][1]));
+  const uint32_t b1 = transpose8x8(pack_bf16x2(sc[1][0], sc[1][1]));
+#pragma unroll
+  for (int wi = 0; wi < kVWords; ++wi) {
+    uint32_t c01[8], c89[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      c01[k] = __byte_perm(vw[0][k][wi], vw[1][k][wi], 0x5410);
+      c01[4 + k] = __byte_perm(vw[0][k][wi], vw[1][k][wi], 0x7632);
+      c89[k] = __byte_perm(vw[2][k][wi], vw[3][k][wi], 0x5410);
+      c89[4 + k] = __byte_perm(vw[2][k][wi], vw[3][k][wi], 0x7632);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
+      mma_bf16(st.o[wi * 4 + q], a, b0, b1);
+    }
+  }
+}
+
+// Shared memory of one block (dynamic). The q buffers are dead once the fragments are built,
+// so the warps' partial outputs reuse them.
+template <int D>
+struct SharedLayout {
+  static constexpr size_t q_in = 0;                                    // float [8][D]
+  static constexpr size_t q_rot = q_in + sizeof(float) * kCols * D;    // float [8][D]
+  static constexpr size_t warp_o = 0;                                  // float [warps][8][D]
+  static constexpr size_t region_a =
+      sizeof(float) * kCols * D * (2 > kWarps ? 2 : kWarps);
+  static constexpr size_t q_frag = region_a;                           // uint4 [D/16][32]
+  static constexpr size_t final_o = q_frag + sizeof(uint4) * (D / 16) * 32;  // float [8][D]
+  static constexpr size_t stats = final_o + sizeof(float) * kCols * D;       // float [3][warps][8] + [8]
+  static constexpr size_t bytes = stats + sizeof(float) * (3 * kWarps * kCols + kCols) + 16;
+  static_assert(kMaxAttentionChunks * kCols <= kWarps * kCols * D, "merge weights reuse warp_o");
+};
+
+struct KernelArgs {
+  PagedAttentionParams p;
+  const AttentionWorkItem* items;
+  int32_t* counters;
+  float* partial_o;
+  float* partial_lse;  // base 2
+  int32_t group_size;
+  float scale2;  // sm_scale·log2(e)
+  bool decode;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelArgs args) {
+  using L = SharedLayout<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* q_in = reinterpret_cast<float*>(smem + L::q_in);
+  float* q_rot = reinterpret_cast<float*>(smem + L::q_rot);
+  float* warp_o = reinterpret_cast<float*>(smem + L::warp_o);
+  uint4* q_frag = reinterpret_cast<uint4*>(smem + L::q_frag);
+  float* final_o = reinterpret_cast<float*>(smem + L::final_o);
+  float* warp_m = reinterpret_cast<float*>(smem + L::stats);
+  float* warp_l = warp_m + kWarps * kCols;
+  float* warp_off = warp_l + kWarps * kCols;
+  float* final_lse = warp_off + kWarps * kCols;
+  __shared__ int is_last_block;
+
+  const PagedAttentionParams& p = args.p;
+  const PagedKvRef& kv = p.kv;
+  const int item_index = blockIdx.x;
+  const AttentionWorkItem item = args.items[item_index];
+  const int32_t head = blockIdx.y;
+  const int32_t num_kv_heads = gridDim.y;
+  const int32_t b_req = item.request;
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int g = args.group_size;
+
+  const int64_t n_seg[3] = {kv.sink.num_tokens(b_req), kv.int2.num_tokens(b_req), kv.recent.num_tokens(b_req)};
+  const int64_t length = n_seg[0] + n_seg[1] + n_seg[2];
+  const int32_t q_begin = args.decode ? b_req : p.qo_indptr[b_req];
+  const int32_t n_q = args.decode ? 1 : p.qo_indptr[b_req + 1] - q_begin;
+  const int col0 = item.column_tile * kCols;
+  const int valid_cols = min(kCols, n_q * g - col0);
+
+  // 1. q of the block's columns, rotated into the keys' basis.
+  for (int idx = tid; idx < kCols * D; idx += kThreads) {
+    const int c = idx / D, i = idx % D;
+    float v = 0.0f;
+    if (c < valid_cols) {
+      const int gc = col0 + c;
+      const int64_t row = int64_t{q_begin + gc / g} * p.num_qo_heads + head * g + gc % g;
+      v = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p.q + row * D + i));
+    }
+    q_in[idx] = v;
+  }
+  __syncthreads();
+  const float* q_basis = q_in;
+  if (p.q_rotation) {
+    for (int i = tid; i < D; i += kThreads) {
+      float acc[kCols];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
+#pragma unroll 8
+      for (int k = 0; k < D; ++k) {
+        const float rk = __ldg(p.q_rotation + k * D + i);
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) acc[c] = fmaf(q_in[c * D + k], rk, acc[c]);
+      }
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) q_rot[c * D + i] = acc[c];
+    }
+    __syncthreads();
+    q_basis = q_rot;
+  }
+
+  // 2. This lane's fragments: fp16 q for INT2 keys (registers), bf16 hi/lo for BF16 keys (smem).
+  const int r = lane / 4, j = lane % 4;
+  uint32_t qf[D / 16][2];
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const int wi = s / 4, k = s % 4;
+    const int ch = j * (D / 16) + 4 * wi + k * (D / 4);
+    const float* qn = q_basis + r * D;  // column n = lane/4
+    qf[s][0] = pack_half2(qn[ch + 0], qn[ch + 2]);
+    qf[s][1] = pack_half2(qn[ch + 1], qn[ch + 3]);
+  }
+  float qsum[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float sum = 0.0f;
+    for (int k = 0; k < D; ++k) sum += q_basis[(2 * j + i) * D + k];
+    qsum[i] = sum;
+  }
+  for (int idx = tid; idx < (D / 16) * 32; idx += kThreads) {
+    const int s = idx / 32, ln = idx % 32;
+    const int n = ln / 4, jj = ln % 4;
+    const int ch = (s / 2) * 32 + 8 * jj + 4 * (s % 2);
+    const float* qn = q_basis + n * D + ch;
+    float hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      hi[e] = __bfloat162float(__float2bfloat16_rn(qn[e]));
+      lo[e] = qn[e] - hi[e];
+    }
+    q_frag[idx] = make_uint4(pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3]), pack_bf16x2(lo[0], lo[1]),
+                             pack_bf16x2(lo[2], lo[3]));
+  }
+  TileContext tc;
+  tc.causal = !args.decode;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = 2 * j + i;
+    tc.q_pos[i] = c < valid_cols ? length - n_q + (col0 + c) / g : INT64_MAX;
+  }
+  __syncthreads();  // q_frag ready; q_in / q_rot are dead from here (warp_o reuses them)
+
+  // 3. The chunk's tiles, every 4th one per warp.
+  WarpState<D> st;
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt) st.o[mt][0] = st.o[mt][1] = st.o[mt][2] = st.o[mt][3] = 0.0f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.0f;
+  st.offset[0] = st.offset[1] = 0.0f;
+  const int64_t tiles0 = attention_tiles(n_seg[0]);
+  const int64_t tiles1 = attention_tiles(n_seg[1]);
+  const float scale2 = args.scale2;
+  const int64_t seg_tile0[4] = {0, tiles0, tiles0 + tiles1, tiles0 + tiles1 + attention_tiles(n_seg[2])};
+  const int64_t seg_start[3] = {0, n_seg[0], n_seg[0] + n_seg[1]};
+  const PageTableRef* tables[3] = {&kv.sink, &kv.int2, &kv.recent};
+#pragma unroll 1
+  for (int seg = 0; seg < 3; ++seg) {
+    // This segment's part of the chunk, in the segment's own tile numbers.
+    const int64_t begin = max(int64_t{item.tile_begin}, seg_tile0[seg]) - seg_tile0[seg];
+    const int64_t end = min(int64_t{item.tile_end}, seg_tile0[seg + 1]) - seg_tile0[seg];
+    if (begin >= end) continue;
+    const PageTableRef& table = *tables[seg];
+    const int64_t n = n_seg[seg];
+    if (seg == 1) {
+      // Two tiles in flight per warp while a third is computed.
+      Int2TileRaw<D> a, b;
+      int64_t t = begin + warp;
+      load_int2_tile<D>(a, table, b_req, t * kAttentionTileTokens, t < end ? n : 0, seg_start[1], kv.k_int2, kv.v_int2, head, lane);
+      load_int2_tile<D>(b, table, b_req, (t + kWarps) * kAttentionTileTokens, t + kWarps < end ? n : 0, seg_start[1],
+                        kv.k_int2, kv.v_int2, head, lane);
+      for (; t < end; t += 2 * kWarps) {
+        int2_tile<D>(st, qf, qsum, a, tc, scale2, lane);
+        const int64_t ta = t + 2 * kWarps;
+        load_int2_tile<D>(a, table, b_req, ta * kAttentionTileTokens, ta < end ? n : 0, seg_start[1], kv.k_int2,
+                          kv.v_int2, head, lane);
+        if (t + kWarps >= end) break;
+        int2_tile<D>(st, qf, qsum, b, tc, scale2, lane);
+        const int64_t tb = t + 3 * kWarps;
+        load_int2_tile<D>(b, table, b_req, tb * kAttentionTileTokens, tb < end ? n : 0, seg_start[1], kv.k_int2,
+                          kv.v_int2, head, lane);
+      }
+    } else {
+      for (int64_t t = begin + warp; t < end; t += kWarps) {
+        const int64_t t0 = t * kAttentionTileTokens;
+        if (t0 >= n) break;  // a plan that disagrees with the tables: nothing more to read
+        const int64_t left = n - t0;
+        tc.key_position0 = seg_start[seg] + t0;
+        tc.valid = left < kAttentionTileTokens ? static_cast<int>(left) : kAttentionTileTokens;
+        const TileHalves th = locate_tile(table, b_req, t0, n);
+        bf16_tile<D>(st, q_frag + lane, kv.k_bf16, kv.v_bf16, head, th, tc, scale2, lane);
+      }
+    }
+  }
+
+  // 4. Merge the warps: sums over the 8 lanes of a column, then across warps in smem.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int mask = 4; mask <= 16; mask *= 2) {
+      st.l[i] += __shfl_xor_sync(kFullMask, st.l[i], mask);
+      st.offset[i] += __shfl_xor_sync(kFullMask, st.offset[i], mask);
+    }
+  }
+  if (r == 0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      warp_m[warp * kCols + 2 * j + i] = st.m[i];
+      warp_l[warp * kCols + 2 * j + i] = st.l[i];
+      warp_off[warp * kCols + 2 * j + i] = st.offset[i];
+    }
+  }
+  float* my_o = warp_o + warp * kCols * D;
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt) {
+    const int ch_lo = value_channel<D>(r, 2 * mt);
+    const int ch_hi = value_channel<D>(r, 2 * mt + 1);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      my_o[(2 * j + i) * D + ch_lo] = st.o[mt][i];
+      my_o[(2 * j + i) * D + ch_hi] = st.o[mt][2 + i];
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < kCols * D; idx += kThreads) {
+    const int c = idx / D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_m[w * kCols + c]);
+    float sum = 0.0f, o = 0.0f;
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float e = exp2f(warp_m[w * kCols + c] - m);
+        sum += e * warp_l[w * kCols + c];
+        o += e * (warp_o[(w * kCols) * D + idx] + warp_off[w * kCols + c]);
+      }
+    }
+    final_o[idx] = sum == 0.0f ? 0.0f : o / sum;  // NaN stays NaN
+    if (idx % D == 0) final_lse[c] = sum == 0.0f ? -INFINITY : m + log2f(sum);
+  }
+  __syncthreads();
+
+  // 5. Split requests: publish the partial state; the last block to arrive merges them all.
+  if (item.num_chunks > 1) {
+    const size_t slot = size_t(item_index) * num_kv_heads + head;
+    for (int idx = tid; idx < valid_cols * D; idx += kThreads) args.partial_o[slot * kCols * D + idx] = final_o[idx];
+    if (tid < kCols) args.partial_lse[slot * kCols + tid] = final_lse[tid];
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      int32_t* counter = args.counters + size_t(item.counter) * num_kv_heads + head;
+      const int arrived = atomicAdd(counter, 1);
+      is_last_block = arrived == item.num_chunks - 1;
+      if (is_last_block) *counter = 0;  // ready for the next run (CUDA-graph replay)
+    }
+    __syncthreads();
+    if (!is_last_block) return;
+    __threadfence();
+    // Weights of the chunks per column, in parallel: w[k][c] = exp2(lse_k - max) / Σ.
+    float* w = warp_o;  // dead since step 4; kMaxChunks x 8 floats
+    const int chunks = item.num_chunks;
+    for (int idx = tid; idx < chunks * kCols; idx += kThreads) {
+      const size_t s2 = size_t(item.first_item + idx / kCols) * num_kv_heads + head;
+      w[idx] = __ldcg(args.partial_lse + s2 * kCols + idx % kCols);
+    }
+    __syncthreads();
+    if (tid < kCols) {
+      float m = -INFINITY;
+      for (int k = 0; k < chunks; ++k) m = fmaxf(m, w[k * kCols + tid]);
+      float sum = 0.0f;
+      if (m != -INFINITY) {
+        for (int k = 0; k < chunks; ++k) sum += exp2f(w[k * kCols + tid] - m);  // -inf: 0
+      }
+      final_lse[tid] = sum == 0.0f ? -INFINITY : m + log2f(sum);
+    }
+    __syncthreads();
+    for (int idx = tid; idx < chunks * kCols; idx += kThreads) {
+      const float lse_c = final_lse[idx % kCols];
+      w[idx] = lse_c == -INFINITY ? 0.0f : exp2f(w[idx] - lse_c);
+    }
+    __syncthreads();
+    // Σ_k w_k·o_k for this block's valid columns; four chunks' loads in flight per element.
+    for (int idx = tid; idx < valid_cols * D; idx += kThreads) {
+      const int c = idx / D;
+      const float* base = args.partial_o + (size_t(item.first_item) * num_kv_heads + head) * kCols * D + idx;
+      const size_t stride = size_t(num_kv_heads) * kCols * D;  // one chunk further
+      float o = 0.0f;
+      int k = 0;
+      for (; k + 4 <= chunks; k += 4) {
+        const float o0 = __ldcg(base + k * stride), o1 = __ldcg(base + (k + 1) * stride);
+        const float o2 = __ldcg(base + (k + 2) * stride), o3 = __ldcg(base + (k + 3) * stride);
+        o += w[k * kCols + c] * o0 + w[(k + 1) * kCols + c] * o1 + w[(k + 2) * kCols + c] * o2 +
+             w[(k + 3) * kCols + c] * o3;
+      }
+      for (; k < chunks; ++k) o += w[k * kCols + c] * __ldcg(base + k * stride);
+      final_o[idx] = o;  // Σ w = 1, or every weight 0 for an empty state
+    }
+    __syncthreads();
+  }
+
+  // 6. Output: un-rotate by R_Vᵀ (o·R_Vᵀ: out_i = Σ_k o_k R_ik), round to bf16.
+  for (int i = tid; i < D; i += kThreads) {
+    float out[kCols];
+    if (p.output_unrotation) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) out[c] = 0.0f;
+      const float4* row = reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D);
+      for (int k4 = 0; k4 < D / 4; ++k4) {
+        const float4 rv = __ldg(row + k4);
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const float* o = final_o + c * D + 4 * k4;
+          out[c] = fmaf(o[0], rv.x, out[c]);
+          out[c] = fmaf(o[1], rv.y, out[c]);
+          out[c] = fmaf(o[2], rv.z, out[c]);
+          out[c] = fmaf(o[3], rv.w, out[c]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) out[c] = final_o[c * D + i];
+    }
+    for (int c = 0; c < valid_cols; ++c) {
+      const int gc = col0 + c;
+      const int64_t row = int64_t{q_begin + gc / g} * p.num_qo_heads + head * g + gc % g;
+      reinterpret_cast<__nv_bfloat16*>(p.out)[row * D + i] = __float2bfloat16_rn(out[c]);
+    }
+  }
+  if (p.lse && tid < valid_cols) {
+    const int gc = col0 + tid;
+    const int64_t row = int64_t{q_begin + gc / g} * p.num_qo_heads + head * g + gc % g;
+    p.lse[row] = final_lse[tid] * kLn2;
+  }
+}
+
+inline Status cuda_status(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return Status::Ok();
+  return {StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(error)};
+}
+
+template <class Launch>
+Status dispatch_head_dim(int head_dim, Launch&& launch) {
+  switch (head_dim) {
+    case 64: return launch.template operator()<64>();
+    case 128: return launch.template operator()<128>();
+    case 256: return launch.template operator()<256>();
+    default: return unsupported("head_dim " + std::to_string(head_dim) + " is not supported (64, 128, 256)");
+  }
+}
+
+struct WorkspaceParts {
+  AttentionWorkItem* items;
+  int32_t* counters;
+  float* partial_o;
+  float* partial_lse;
+};
+
+inline WorkspaceParts workspace_parts(const AttentionPlan& plan, void* workspace) {
+  auto* base = static_cast<unsigned char*>(workspace);
+  WorkspaceParts w;
+  w.items = reinterpret_cast<AttentionWorkItem*>(base);
+  w.counters = reinterpret_cast<int32_t*>(base + plan.items_bytes());
+  w.partial_o = reinterpret_cast<float*>(base + plan.items_bytes() + plan.counters_bytes());
+  w.partial_lse = reinterpret_cast<float*>(base + plan.items_bytes() + plan.counters_bytes() + plan.partial_o_bytes());
+  return w;
+}
+
+inline Status check_workspace(const AttentionPlan& plan, const void* workspace, size_t bytes, const char* what) {
+  if (bytes < plan.workspace_bytes()) {
+    return invalid_argument(std::string(what) + ": workspace of " + std::to_string(bytes) + " bytes is smaller than the " +
+                            std::to_string(plan.workspace_bytes()) + " the plan needs");
+  }
+  if (plan.workspace_bytes() > 0 && (!workspace || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)) {
+    return invalid_argument(std::string(what) + ": workspace must be a non-null, 256-byte aligned device pointer");
+  }
+  return Status::Ok();
+}
+
+}  // namespace attention_detail
+
+// Copies the plan's work items into the workspace and zeroes its arrival counters (stream
+// ordered; the host vector may be freed once the stream reaches this point). Call after every
+// make_attention_plan; paged_attention may then run any number of times with that plan.
+inline Status upload_attention_plan(const AttentionPlan& plan, void* workspace, size_t workspace_bytes,
+                                    cudaStream_t stream = nullptr) {
+  using namespace attention_detail;
+  OSCAR_RETURN_IF_ERROR(check_workspace(plan, workspace, workspace_bytes, "upload_attention_plan"));
+  if (plan.items.empty()) return Status::Ok();
+  const WorkspaceParts w = workspace_parts(plan, workspace);
+  OSCAR_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(w.items, plan.items.data(), plan.items.size() * sizeof(AttentionWorkItem),
+                                                    cudaMemcpyHostToDevice, stream),
+                                    "upload_attention_plan: copy of the work items"));
+  if (plan.num_counters > 0) {
+    OSCAR_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(w.counters, 0, plan.counters_bytes(), stream),
+                                      "upload_attention_plan: counter reset"));
+  }
+  return Status::Ok();
+}
+
+// Attention of every query of the plan over the paged cache. The page tables must describe
+// the lengths the plan was made from. Validates what it can without reading device memory,
+// then launches one kernel; no allocation, no synchronization.
+inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionParams& params, void* workspace,
+                              size_t workspace_bytes, cudaStream_t stream = nullptr) {
+  using namespace attention_detail;
+  OSCAR_RETURN_IF_ERROR(check_workspace(plan, workspace, workspace_bytes, "paged_attention"));
+  const PagedKvRef& kv = params.kv;
+  OSCAR_RETURN_IF_ERROR(validate_pool_set(kv.k_bf16, kv.v_bf16, kv.k_int2, kv.v_int2));
+  const AttentionShape& shape = plan.shape;
+  const Int2Layout& layout = kv.k_int2.layout;
+  if (layout.head_dim != shape.head_dim || layout.quant_group_size != shape.quant_group_size ||
+      layout.page_size != shape.page_size || kv.k_int2.num_kv_heads != shape.num_kv_heads ||
+      params.num_qo_heads != shape.num_qo_heads) {
+    return invalid_argument("paged_attention: the pools or num_qo_heads disagree with the plan's shape (head_dim " +
+                            std::to_string(shape.head_dim) + ", group " + std::to_string(shape.quant_group_size) +
+                            ", page_size " + std::to_string(shape.page_size) + ", kv heads " +
+                            std::to_string(shape.num_kv_heads) + ", qo heads " + std::to_string(shape.num_qo_heads) + ")");
+  }
+  if (kv.sink.batch_size != plan.batch_size || kv.int2.batch_size != plan.batch_size ||
+      kv.recent.batch_size != plan.batch_size) {
+    return invalid_argument("paged_attention: page tables hold " + std::to_string(kv.sink.batch_size) +
+                            " requests, the plan " + std::to_string(plan.batch_size));
+  }
+  if (kv.sink.page_size != shape.page_size || kv.int2.page_size != shape.page_size ||
+      kv.recent.page_size != shape.page_size) {
+    return invalid_argument("paged_attention: page tables and pools disagree on page_size");
+  }
+  if (plan.items.empty()) return Status::Ok();
+  for (const PageTableRef* t : {&kv.sink, &kv.int2, &kv.recent}) {
+    if (!t->indptr || !t->last_page_len) {
+      return invalid_argument("paged_attention: page table indptr and last_page_len must not be null");
+    }
+  }
+  if (!params.q || !params.out) return invalid_argument("paged_attention: q and out must not be null");
+  if (plan.decode != (params.qo_indptr == nullptr)) {
+    return invalid_argument(plan.decode ? "paged_attention: a decode plan takes no qo_indptr"
+                                        : "paged_attention: an extend plan needs qo_indptr");
+  }
+  if (reinterpret_cast<uintptr_t>(params.output_unrotation) % 16 != 0) {
+    return invalid_argument("paged_attention: output_unrotation must be 16-byte aligned");
+  }
+  if (shape.num_kv_heads > 65535) return unsupported("paged_attention: more than 65535 KV heads");
+
+  const WorkspaceParts w = workspace_parts(plan, workspace);
+  KernelArgs args;
+  args.p = params;
+  args.items = w.items;
+  args.counters = w.counters;
+  args.partial_o = w.partial_o;
+  args.partial_lse = w.partial_lse;
+  args.group_size = shape.group_size();
+  const float sm_scale = params.sm_scale > 0.0f ? params.sm_scale : 1.0f / std::sqrt(float(shape.head_dim));
+  args.scale2 = sm_scale * kLog2e;
+  args.decode = plan.decode;
+  return dispatch_head_dim(shape.head_dim, [&]<int D>() -> Status {
+    const size_t smem = SharedLayout<D>::bytes;
+    OSCAR_RETURN_IF_ERROR(cuda_status(
+        cudaFuncSetAttribute(paged_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+        "paged_attention: shared memory attribute"));
+    const dim3 grid(static_cast<unsigned>(plan.items.size()), static_cast<unsigned>(shape.num_kv_heads));
+    paged_attention_kernel<D><<<grid, kThreads, smem, stream>>>(args);
+    return cuda_status(cudaGetLastError(), "paged_attention launch");
+  });
+}
+
+}  // namespace oscar

@@ -1,0 +1,109 @@
+// The host plan of GPU attention: chunks cover every tile of every request exactly once, in
+// order; split requests get one arrival counter; chunk sizes follow bytes (INT2 chunks hold
+// more tokens than BF16 ones); bad shapes and lengths are refused with a clear message.
+#include <doctest/doctest.h>
+
+#include <vector>
+
+#include "oscar/attention/attention_plan.hpp"
+
+using namespace oscar;
+
+namespace {
+
+AttentionShape headline() { return {32, 8, 128, 128, 16}; }
+
+void check_cover(const AttentionPlan& plan, const std::vector<SegmentCounts>& lengths,
+                 const std::vector<int32_t>& queries) {
+  size_t i = 0;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    const int64_t tiles = attention_tiles(lengths[b].sink) + attention_tiles(lengths[b].int2) +
+                          attention_tiles(lengths[b].recent);
+    const int64_t q = queries.empty() ? 1 : queries[b];
+    const int64_t column_tiles = (q * plan.shape.group_size() + 7) / 8;
+    for (int64_t c = 0; c < column_tiles; ++c) {
+      REQUIRE(i < plan.items.size());
+      const AttentionWorkItem first = plan.items[i];
+      CHECK(first.request == int32_t(b));
+      CHECK(first.column_tile == c);
+      CHECK(first.tile_begin == 0);
+      CHECK(first.first_item == int32_t(i));
+      int32_t end = 0;
+      for (int32_t k = 0; k < first.num_chunks; ++k, ++i) {
+        const AttentionWorkItem& item = plan.items[i];
+        CHECK(item.tile_begin == end);
+        CHECK(item.tile_end > item.tile_begin);
+        CHECK(item.num_chunks == first.num_chunks);
+        CHECK(item.counter == first.counter);
+        CHECK((item.counter >= 0) == (first.num_chunks > 1));
+        end = item.tile_end;
+      }
+      CHECK(end == tiles);
+    }
+  }
+  CHECK(i == plan.items.size());
+}
+
+}  // namespace
+
+TEST_CASE("chunks cover every tile once, in order") {
+  const std::vector<SegmentCounts> lengths = {{1, 0, 0}, {64, 32768, 300}, {16, 1024, 33}, {64, 0, 12}};
+  auto plan = make_attention_plan(headline(), lengths);
+  REQUIRE(plan.ok());
+  CHECK(plan->decode);
+  check_cover(*plan, lengths, {});
+  CHECK(plan->num_counters >= 1);  // the 32K request is split
+  CHECK(plan->workspace_bytes() >= plan->items.size() * sizeof(AttentionWorkItem));
+
+  const std::vector<int32_t> queries = {1, 7, 3, 2};  // 7 queries x 4 heads = 28 columns: 4 tiles
+  auto extend = make_attention_plan(headline(), lengths, queries);
+  REQUIRE(extend.ok());
+  CHECK(!extend->decode);
+  check_cover(*extend, lengths, queries);
+}
+
+TEST_CASE("chunks are sized in bytes: an INT2 chunk holds ~7x the tokens of a BF16 chunk") {
+  AttentionPlanOptions options;
+  options.num_sms = 132;
+  const std::vector<SegmentCounts> int2 = {{0, 65536, 0}}, bf16 = {{65536, 0, 0}};
+  auto a = make_attention_plan(headline(), int2, {}, options);
+  auto b = make_attention_plan(headline(), bf16, {}, options);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  // Same request length, same target number of blocks: the same parallelism for both...
+  CHECK(a->items.size() == b->items.size());
+  // ...and at a fixed chunk size in bytes, 512/72 = 7.1x fewer INT2 chunks.
+  AttentionPlanOptions fixed = options;
+  // 32 MB of BF16 K+V / 1 MB = 32 chunks: at the kMaxAttentionChunks cap, not above it, so the
+  // byte size alone decides; 4.7 MB of INT2 pages make 5 chunks.
+  fixed.min_chunk_bytes = 1 << 20;
+  fixed.target_blocks_per_sm = 8;
+  auto c = make_attention_plan(headline(), int2, {}, fixed);
+  auto d = make_attention_plan(headline(), bf16, {}, fixed);
+  REQUIRE(c.ok());
+  REQUIRE(d.ok());
+  const double ratio = double(d->items.size()) / double(c->items.size());
+  CHECK(ratio > 5.0);
+  CHECK(ratio < 8.0);
+}
+
+TEST_CASE("bad shapes and lengths are refused") {
+  AttentionShape s = headline();
+  s.num_qo_heads = 30;
+  CHECK(make_attention_plan(s, std::vector<SegmentCounts>{{1, 0, 0}}).status().message().find("multiple") !=
+        std::string::npos);
+  s = headline();
+  s.quant_group_size = 32;
+  CHECK(make_attention_plan(s, std::vector<SegmentCounts>{{1, 0, 0}}).status().code() == StatusCode::kUnsupported);
+  s = headline();
+  s.page_size = 12;
+  CHECK(make_attention_plan(s, std::vector<SegmentCounts>{{1, 0, 0}}).status().message().find("page_size 12") !=
+        std::string::npos);
+  CHECK(make_attention_plan(headline(), std::vector<SegmentCounts>{{0, 10, 0}}).status().message().find("whole pages") !=
+        std::string::npos);
+  CHECK(make_attention_plan(headline(), std::vector<SegmentCounts>{{0, 0, 0}}).status().message().find("0 cached") !=
+        std::string::npos);
+  const std::vector<int32_t> too_many = {5};
+  CHECK(make_attention_plan(headline(), std::vector<SegmentCounts>{{4, 0, 0}}, too_many).status().message().find(
+            "5 query tokens") != std::string::npos);
+}
