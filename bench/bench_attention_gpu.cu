@@ -41,7 +41,8 @@ struct Problem {
   double bytes = 0;  // K/V bytes the kernel must read, plus q and out
   std::vector<void*> allocations;
 
-  Problem(int batch, int64_t length, int hq, int hkv, int d, int page, bool int2, int sink, int recent) {
+  Problem(int batch, int64_t length, int hq, int hkv, int d, int page, bool int2, int sink, int recent,
+          int queries = 0) {
     shape = {hq, hkv, d, d, page};
     std::mt19937_64 rng(7);
     std::vector<SegmentCounts> lengths(batch, int2 ? segment_counts(length, sink, recent, page)
@@ -96,7 +97,8 @@ struct Problem {
                   static_cast<int32_t*>(keep(device_copy(t[s].indices))),
                   static_cast<int32_t*>(keep(device_copy(t[s].last))), batch, page};
     }
-    std::vector<bf16_t> q(size_t(batch) * hq * d);
+    // Decode (queries = 0): one query token per request; extend: the last `queries` tokens.
+    std::vector<bf16_t> q(size_t(batch) * std::max(1, queries) * hq * d);
     for (auto& x : q) x = float_to_bf16(normal(rng));
     params.num_qo_heads = hq;
     params.q = static_cast<bf16_t*>(keep(device_copy(q)));
@@ -106,7 +108,8 @@ struct Problem {
     params.q_rotation = static_cast<float*>(keep(device_copy(r)));
     params.output_unrotation = static_cast<float*>(keep(device_copy(r)));
 
-    auto made = make_attention_plan(shape, lengths, {}, {});
+    const std::vector<int32_t> query_tokens(queries > 0 ? batch : 0, queries);
+    auto made = make_attention_plan(shape, lengths, query_tokens, {});
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
       std::exit(1);
@@ -146,8 +149,9 @@ void BM_CopyBandwidth(benchmark::State& state) {
   cudaFree(b);
 }
 
-void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, int hkv, int d, int page, bool int2) {
-  Problem problem(batch, length, hq, hkv, d, page, int2, 64, 256);
+void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, int hkv, int d, int page, bool int2,
+                  int queries) {
+  Problem problem(batch, length, hq, hkv, d, page, int2, 64, 256, queries);
   oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
   const double gbps = state.counters["GB/s"];
   if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
@@ -173,7 +177,7 @@ int main(int argc, char** argv) {
         const std::string name = std::string(int2 ? "int2" : "bf16") + "/hq" + std::to_string(h.hq) + "_hkv" +
                                  std::to_string(h.hkv) + "_d" + std::to_string(h.d) + "/B" + std::to_string(c.batch) +
                                  "/L" + std::to_string(c.length) + "/page16";
-        benchmark::RegisterBenchmark(name.c_str(), BM_Attention, c.batch, c.length, h.hq, h.hkv, h.d, 16, int2)
+        benchmark::RegisterBenchmark(name.c_str(), BM_Attention, c.batch, c.length, h.hq, h.hkv, h.d, 16, int2, 0)
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
       }
@@ -181,7 +185,15 @@ int main(int argc, char** argv) {
   }
   for (int page : {8, 64, 256}) {
     const std::string name = "int2/hq32_hkv8_d128/B16/L32768/page" + std::to_string(page);
-    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, page, true)
+    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, page, true, 0)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
+  // Extend (chunked prefill / speculative verification): Q new tokens over a 32K quantized
+  // prefix. Target: within 1.5x of the time to read the prefix (%copy >= 67).
+  for (int queries : {16, 64, 256}) {
+    const std::string name = "extend/hq32_hkv8_d128/B1/L32768/Q" + std::to_string(queries);
+    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 1, int64_t{32768}, 32, 8, 128, 16, true, queries)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
