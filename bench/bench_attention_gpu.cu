@@ -7,6 +7,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <string>
@@ -26,6 +27,11 @@ T* device_copy(const std::vector<T>& host) {
   check(cudaMalloc(&p, std::max<size_t>(1, host.size()) * sizeof(T)), "cudaMalloc");
   if (!host.empty()) check(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
   return p;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
 struct HostTable {
@@ -107,9 +113,13 @@ struct Problem {
     for (int i = 0; i < d; ++i) r[size_t(i) * d + i] = 1.0f;  // rotation cost is the same for any R
     params.q_rotation = static_cast<float*>(keep(device_copy(r)));
     params.output_unrotation = static_cast<float*>(keep(device_copy(r)));
+    // OSCAR_BENCH_ENGINE_ROTATED=1: the engine rotated q and folds R_V^T into W_O.
+    if (env_int("OSCAR_BENCH_ENGINE_ROTATED", 0) != 0) params.q_rotation = params.output_unrotation = nullptr;
 
     const std::vector<int32_t> query_tokens(queries > 0 ? batch : 0, queries);
-    auto made = make_attention_plan(shape, lengths, query_tokens, {});
+    AttentionPlanOptions options;  // OSCAR_BENCH_BLOCKS_PER_SM: the plan's split target, to tune it
+    options.target_blocks_per_sm = env_int("OSCAR_BENCH_BLOCKS_PER_SM", 0);
+    auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
       std::exit(1);
