@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Turns one device run of the decode benchmarks into the table and plot of docs/benchmarks.md.
+
+    bench_attention_gpu --benchmark_out=bench.json --benchmark_out_format=json
+    python3 bench/sdpa_baseline.py > sdpa.txt
+    python3 bench/attention_report.py bench.json sdpa.txt docs/img/attention_decode.png
+
+Prints a markdown table (time, bytes the kernel must move, GB/s, % of the copy bandwidth of the
+same run, speedup over PyTorch SDPA and over our BF16 decode) and writes a bar plot of the
+speedups. Only the Python standard library and matplotlib (Debian python3-matplotlib)."""
+import json
+import re
+import sys
+
+
+def load_bench(path):
+    with open(path) as f:
+        data = json.load(f)
+    rows = {}
+    for b in data["benchmarks"]:
+        if b.get("run_type") == "aggregate":
+            continue
+        name = b["name"].split("/manual_time")[0]
+        rows[name] = b
+    return rows
+
+
+def load_sdpa(path):
+    sdpa = {}
+    pattern = re.compile(r"^sdpa/(\S+) ([0-9.]+) us")
+    with open(path) as f:
+        for line in f:
+            m = pattern.match(line)
+            if m:
+                sdpa[m.group(1)] = float(m.group(2))
+    return sdpa
+
+
+def main():
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    bench, sdpa = load_bench(sys.argv[1]), load_sdpa(sys.argv[2])
+    copy = bench["copy"]["GB/s"] if "copy" in bench else 0.0
+    print(f"copy bandwidth in the same run: {copy:.0f} GB/s\n")
+    print("| shape | INT2 | bytes | GB/s | % copy | BF16 (ours) | SDPA | vs SDPA | vs BF16 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    labels, vs_sdpa, vs_bf16 = [], [], []
+    for name, row in bench.items():
+        if not name.startswith("int2/") or not name.endswith("page16"):
+            continue
+        shape = name[len("int2/"):-len("/page16")]
+        us = row["real_time"]
+        gbps = row["GB/s"]
+        bf16 = bench.get("bf16/" + shape + "/page16")
+        bf16_us = bf16["real_time"] if bf16 else float("nan")
+        sdpa_us = sdpa.get(shape, float("nan"))
+        pct = 100.0 * gbps / copy if copy else float("nan")
+        print(f"| {shape} | {us:.1f} us | {row['bytes'] / 1e6:.1f} MB | {gbps:.0f} | {pct:.0f} % | "
+              f"{bf16_us:.1f} us | {sdpa_us:.1f} us | {sdpa_us / us:.2f}x | {bf16_us / us:.2f}x |")
+        labels.append(shape.replace("_", " ").replace("/", "\n"))
+        vs_sdpa.append(sdpa_us / us)
+        vs_bf16.append(bf16_us / us)
+    print()
+    for name, row in bench.items():
+        if name.startswith("extend/") or (name.startswith("int2/") and not name.endswith("page16")):
+            gbps = row["GB/s"]
+            print(f"- {name}: {row['real_time']:.1f} us, {row['bytes'] / 1e6:.1f} MB, {gbps:.0f} GB/s "
+                  f"({100.0 * gbps / copy if copy else float('nan'):.0f} % of copy)")
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], vs_sdpa, 0.4, label="INT2 vs PyTorch SDPA (BF16)")
+    ax.bar([i + 0.2 for i in x], vs_bf16, 0.4, label="INT2 vs our BF16 decode")
+    ax.axhline(6.0, color="k", linestyle="--", linewidth=1, label="target: 6x SDPA")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("speedup (time ratio)")
+    ax.set_title(f"oscar INT2 decode on the H200 (copy bandwidth {copy:.0f} GB/s, cold L2)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(sys.argv[3], dpi=120)
+
+
+if __name__ == "__main__":
+    main()
