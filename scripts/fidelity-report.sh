@@ -58,4 +58,5 @@ if [[ "${1:-}" != "--doc-only" ]]; then
   wait "$chain"
   cp "$work/plan.safetensors" "$results/../plan-kjv-genesis-exodus.safetensors"
 fi
-python3 scripts/fidelity_report.py --results "$results" --out docs/fidelity.md --plots docs/fidelity
+# Debian's python3 has python3-matplotlib; a python3 earlier on PATH (pyenv, venv) may not.
+"${PYTHON:-/usr/bin/python3}" scripts/fidelity_report.py --results "$results" --out docs/fidelity.md --plots docs/fidelity
