@@ -227,12 +227,12 @@ std::string parse_args(int argc, char** argv, Options& o) {
     errno = 0;
     const long long v = std::strtoll(value.c_str(), &end, 10);
     if (value.empty() || *end != '\0' || errno != 0) return "flag " + arg + " needs an integer, got '" + value + "'";
+    // -1 is the internal "not given" of these three; a user's negative value is an error.
+    if (v < 0 && (arg == "--sink" || arg == "--recent" || arg == "--max-new-tokens")) return arg + " must be >= 0";
     *ints[arg] = v;
   }
   if (o.mode.empty()) return "no mode given (generate, perplexity, calibrate, dump, share or fidelity)";
-  if (o.sink < -1 || o.recent < -1 || (o.sink < 0 && o.sink != -1)) return "--sink and --recent must be >= 0";
   if (o.chunk <= 0) return "--chunk must be positive";
-  if (o.max_new_tokens < -1) return "--max-new-tokens must be >= 0";
   if (o.threads <= 0) return "--threads must be positive";
   if (o.ctx == 0 || o.ctx < -1) return "--ctx must be positive";
   if (o.calib_tokens <= 0 || o.held_out_tokens <= 0 || o.queries <= 0) {
