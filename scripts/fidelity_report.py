@@ -197,6 +197,9 @@ def main():
         L.append("")
         e2e_table(rows, L)
         L.append("")
+        ranked = sorted((m for m in rows if m != "bf16"), key=lambda m: rows[m]["kl"])
+        L.append("Ranked by KL (best first): " + " < ".join(f"{m} ({rows[m]['kl']:.4f})" for m in ranked) + ".")
+        L.append("")
         s = gap_sentence(rows, f"{ctx} tokens")
         if s:
             L.append(s)
@@ -232,6 +235,9 @@ def main():
                 L.append(f"| {m} | {fmt(r['logit_rel_err'])} | {r['score_snr_db']:.2f} | {fmt(r['attn_kl'])} | "
                          f"{fmt(r['out_rel_err'])} | {fmt(r['out_wo_rel_err'])} | {r['top1']:.3f} | {r['top8']:.3f} | "
                          f"{r['top32']:.3f} |")
+        L.append("")
+        ranked = sorted((m for m in means if m != "bf16"), key=lambda m: means[m]["attn_kl"])
+        L.append("Ranked by mean attention KL (best first): " + " < ".join(ranked) + ".")
         L.append("")
         L.append(f"![per-layer fidelity at {ctx} tokens]({rel}/{png})")
         L.append("")

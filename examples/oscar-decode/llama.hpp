@@ -138,6 +138,30 @@ class ExactKvCache final : public KvCache {
     const int32_t group = num_qo_heads_ / num_kv_heads_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
     const int64_t first = length_ - step_;
+    if (step_ > 1) {
+      // A chunk of queries: one matrix product per head over all visible keys, the causal
+      // mask applied to the scores (calibration and the evaluator prefill long texts here).
+      using Map = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+      using MapOut = Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>>;
+      const int64_t keys = length_;
+      const Eigen::Index stride = static_cast<Eigen::Index>(num_qo_heads_) * head_dim_;
+      for (int32_t h = 0; h < num_qo_heads_; ++h) {
+        const int32_t kvh = h / group;
+        const Map qh(q + static_cast<int64_t>(h) * head_dim_, step_, head_dim_, Eigen::OuterStride<>(stride));
+        RowMatrix s = (qh * k_[layer][kvh].topRows(keys).transpose()) * scale;
+        for (int32_t t = 0; t < step_; ++t) {
+          const Eigen::Index visible = first + t + 1;
+          auto row = s.row(t);
+          const float m = row.head(visible).maxCoeff();
+          row.head(visible) = (row.head(visible).array() - m).exp();
+          row.tail(keys - visible).setZero();
+          row /= row.sum();
+        }
+        MapOut(out + static_cast<int64_t>(h) * head_dim_, step_, head_dim_, Eigen::OuterStride<>(stride)) =
+            s * v_[layer][kvh].topRows(keys);
+      }
+      return Status::Ok();
+    }
     for (int32_t t = 0; t < step_; ++t) {
       const int64_t keys = first + t + 1;
       for (int32_t h = 0; h < num_qo_heads_; ++h) {
