@@ -4,7 +4,7 @@
 # tokens, end-to-end perplexity and KL against the bf16 cache), renders the plots and writes
 # the document. One command:
 #
-#   scripts/fidelity-report.sh              # everything (~1 hour on 2 cores)
+#   scripts/fidelity-report.sh              # everything (~1 hour on 2 free cores)
 #   scripts/fidelity-report.sh --doc-only   # re-render the doc and plots from docs/fidelity/results
 #
 # Texts (Debian's bible-kjv-text, read with the `bible` program of bible-kjv):
@@ -13,7 +13,7 @@
 # Needs: a build of oscar-decode (cmake --build build --target oscar-decode), the model
 # (scripts/fetch-model.sh), python3-matplotlib. Environment knobs (defaults in brackets):
 #   OSCAR_DECODE [build/examples/oscar-decode]  CALIB_TOKENS [8192]  LONG_CTX [8192]
-#   E2E_LONG_CTX [4096]  E2E_LONG_METHODS [bf16,int2-hadamard,oscar-fit]  THREADS [1]
+#   E2E_LONG_CTX [4096]  E2E_LONG_METHODS [all seven]  THREADS [1]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -23,7 +23,7 @@ work=build/fidelity
 calib_tokens="${CALIB_TOKENS:-8192}"
 long_ctx="${LONG_CTX:-8192}"
 e2e_long_ctx="${E2E_LONG_CTX:-4096}"
-e2e_long_methods="${E2E_LONG_METHODS:-bf16,int2-hadamard,oscar-fit}"
+e2e_long_methods="${E2E_LONG_METHODS:-bf16,int4,int2-naive,kivi,int2-hadamard,oscar,oscar-fit}"
 threads="${THREADS:-1}"
 all_methods=bf16,int4,int2-naive,kivi,int2-hadamard,oscar,oscar-fit
 geometry=(--sink 64 --recent 256 --page-size 16)

@@ -68,6 +68,11 @@ def read_calibration(path):
     return rows, summary
 
 
+def context_of(path):
+    """The context length in a result file's name: e2e-2048.txt, fidelity-8192.txt."""
+    return int(re.search(r"-(\d+)\.txt$", path).group(1))
+
+
 def fmt(x, digits=4):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
@@ -150,10 +155,8 @@ def main():
     ap.add_argument("--plots", required=True)
     a = ap.parse_args()
     os.makedirs(a.plots, exist_ok=True)
-    fid_files = sorted(glob.glob(os.path.join(a.results, "fidelity-*.txt")),
-                       key=lambda p: int(re.findall(r"(\d+)", os.path.basename(p))[0]))
-    e2e_files = sorted(glob.glob(os.path.join(a.results, "e2e-*.txt")),
-                       key=lambda p: int(re.findall(r"(\d+)", os.path.basename(p))[0]))
+    fid_files = sorted(glob.glob(os.path.join(a.results, "fidelity-*.txt")), key=context_of)
+    e2e_files = sorted(glob.glob(os.path.join(a.results, "e2e-*.txt")), key=context_of)
     calib_rows, calib_summary = read_calibration(os.path.join(a.results, "calibrate.txt"))
     rel = os.path.relpath(a.plots, os.path.dirname(a.out))
 
@@ -186,7 +189,7 @@ def main():
     L.append("## End to end: perplexity and next-token KL against the bf16 cache")
     L.append("")
     for path in e2e_files:
-        ctx = re.findall(r"(\d+)", os.path.basename(path))[0]
+        ctx = context_of(path)
         rows = read_e2e(path)
         if not rows:
             continue
@@ -217,6 +220,8 @@ def main():
 
     for path in fid_files:
         header, layers, means = read_fidelity(path)
+        if not header or not means:
+            continue  # an unfinished run
         ctx = header.get("tokens")
         png = f"fidelity-{ctx}.png"
         plot_layers(layers, ctx, os.path.join(a.plots, png))
