@@ -2,7 +2,9 @@
 # Installs what oscar needs to build and test, from Debian's packages. The CUDA toolkit
 # (nvcc, CCCL) is expected to be present already (it is not a Debian package here).
 set -euo pipefail
-packages=(cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev nlohmann-json3-dev)
+packages=(cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev nlohmann-json3-dev
+  # scripts/fidelity-report.sh: the KJV texts (bible-kjv reads bible-kjv-text) and the plots
+  bible-kjv bible-kjv-text python3-matplotlib)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

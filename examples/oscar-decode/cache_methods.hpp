@@ -1,11 +1,15 @@
-// The KV cache methods of oscar-decode, by name, and the cache each one builds. Every quantized
-// method is the library's PagedCache with a different LayerQuantizer per layer; none has its
-// own quantization code.
+// The KV cache methods of oscar-decode, by name, and the cache each one builds. Every INT2
+// method but kivi is the library's PagedCache with a different LayerQuantizer per layer; none
+// has its own quantization code. int4 and kivi need layouts the library does not have and are
+// simulated (simulated_cache.hpp).
 //   exact          float32 K/V (ExactKvCache): no rounding at all, for tests and debugging
 //   bf16           PagedCache whose sink covers the whole context: everything stays BF16
+//   int4           per-token INT4 outside the sink/window (simulated): the upper reference
 //   int2-naive     identity rotations, no clipping
+//   kivi           KIVI-style INT2: per-channel keys over 32-token groups, per-token values (simulated)
 //   int2-hadamard  normalized Sylvester Hadamard rotations for K and V (QuaRot-style), no clip
-//   oscar          fitted per-layer rotations and clip ratios from a plan file (--plan)
+//   oscar          the plan's fitted rotations with the authors' fixed clip ratios 0.96 / 0.92
+//   oscar-fit      the plan's fitted rotations and its fitted per-layer clip ratios
 #pragma once
 
 #include <memory>
@@ -14,23 +18,31 @@
 
 #include "llama.hpp"
 #include "oscar/core/status.hpp"
+#include "oscar/fit/clip_search.hpp"
 #include "oscar/host/paged_cache.hpp"
+#include "oscar/io/plan_file.hpp"
 #include "oscar/rotate/hadamard.hpp"
+#include "simulated_cache.hpp"
 
 namespace oscar::decode {
 
-enum class CacheMethod { kExact, kBf16, kInt2Naive, kInt2Hadamard, kOscar };
+enum class CacheMethod { kExact, kBf16, kInt4, kInt2Naive, kKivi, kInt2Hadamard, kOscar, kOscarFit };
 
-inline const char* kCacheMethodList = "exact, bf16, int2-naive, int2-hadamard, oscar";
+inline const char* kCacheMethodList = "exact, bf16, int4, int2-naive, kivi, int2-hadamard, oscar, oscar-fit";
 
 inline Result<CacheMethod> parse_cache_method(const std::string& name) {
   if (name == "exact") return CacheMethod::kExact;
   if (name == "bf16") return CacheMethod::kBf16;
+  if (name == "int4") return CacheMethod::kInt4;
   if (name == "int2-naive") return CacheMethod::kInt2Naive;
+  if (name == "kivi") return CacheMethod::kKivi;
   if (name == "int2-hadamard") return CacheMethod::kInt2Hadamard;
   if (name == "oscar") return CacheMethod::kOscar;
+  if (name == "oscar-fit") return CacheMethod::kOscarFit;
   return invalid_argument("unknown cache method '" + name + "' (choose one of: " + kCacheMethodList + ")");
 }
+
+inline bool needs_plan(CacheMethod m) { return m == CacheMethod::kOscar || m == CacheMethod::kOscarFit; }
 
 struct CacheOptions {
   int64_t capacity = 2048;  // tokens
@@ -56,8 +68,32 @@ inline std::vector<host::LayerQuantizer> hadamard_quantizers(int32_t num_layers,
   return layers;
 }
 
-// The hook for fitted quantizers (OSCAR): one LayerQuantizer per layer, e.g. read from a plan
-// file by oscar::io once plan files exist on this branch.
+// The paged-cache configuration a plan must match for this model (one quantization group per row).
+inline host::CacheConfig plan_target(const LlamaConfig& model) {
+  host::CacheConfig c;
+  c.num_layers = model.num_layers;
+  c.num_qo_heads = model.num_qo_heads;
+  c.num_kv_heads = model.num_kv_heads;
+  c.head_dim = model.head_dim;
+  c.quant_group_size = 0;
+  return c;
+}
+
+// The per-layer quantizers of oscar (fixed ratios) or oscar-fit (the plan's ratios), after
+// checking that the plan was fitted for this model.
+inline Result<std::vector<host::LayerQuantizer>> plan_quantizers(CacheMethod method, const io::Plan& plan,
+                                                                 const LlamaConfig& model) {
+  OSCAR_RETURN_IF_ERROR(io::check_plan_matches(plan, plan_target(model)));
+  std::vector<host::LayerQuantizer> layers = io::to_layer_quantizers(plan);
+  if (method == CacheMethod::kOscar) {
+    for (auto& l : layers) {
+      l.k_clip_ratio = fit::kAuthorsKeyClipRatio;
+      l.v_clip_ratio = fit::kAuthorsValueClipRatio;
+    }
+  }
+  return layers;
+}
+
 inline Result<std::unique_ptr<KvCache>> make_quantized_cache(const LlamaConfig& model, const CacheOptions& options,
                                                              std::vector<host::LayerQuantizer> layers) {
   auto cache = PagedKvCache::create(model, options.capacity, options.sink_tokens, options.recent_tokens,
@@ -66,9 +102,9 @@ inline Result<std::unique_ptr<KvCache>> make_quantized_cache(const LlamaConfig& 
   return std::unique_ptr<KvCache>(std::move(*cache));
 }
 
-// Builds the cache of a method that needs no fitted data (every method but oscar).
+// Builds the cache of `method`. `plan` is needed by oscar and oscar-fit and ignored otherwise.
 inline Result<std::unique_ptr<KvCache>> make_cache(CacheMethod method, const LlamaConfig& model,
-                                                   const CacheOptions& options) {
+                                                   const CacheOptions& options, const io::Plan* plan = nullptr) {
   switch (method) {
     case CacheMethod::kExact:
       return std::unique_ptr<KvCache>(new ExactKvCache(model, options.capacity));
@@ -79,16 +115,43 @@ inline Result<std::unique_ptr<KvCache>> make_cache(CacheMethod method, const Lla
       bf16.recent_tokens = 0;
       return make_quantized_cache(model, bf16, identity_quantizers(model.num_layers));
     }
+    case CacheMethod::kInt4:
+    case CacheMethod::kKivi:
+      if (options.page_size <= 0) return invalid_argument("--page-size must be positive");
+      return std::unique_ptr<KvCache>(new SimulatedKvCache(
+          model, options.capacity, options.sink_tokens, options.recent_tokens, options.page_size,
+          method == CacheMethod::kInt4 ? SimulatedFormat::kInt4 : SimulatedFormat::kKivi));
     case CacheMethod::kInt2Naive:
       return make_quantized_cache(model, options, identity_quantizers(model.num_layers));
     case CacheMethod::kInt2Hadamard:
       return make_quantized_cache(model, options, hadamard_quantizers(model.num_layers, model.head_dim));
     case CacheMethod::kOscar:
-      return failed_precondition(
-          "--cache oscar needs --plan FILE with fitted rotations (plan files arrive with oscar-fit; "
-          "they are not readable by this build yet)");
+    case CacheMethod::kOscarFit: {
+      if (!plan) return failed_precondition("needs a plan file (--plan FILE, written by oscar-decode calibrate or oscar-fit)");
+      auto layers = plan_quantizers(method, *plan, model);
+      if (!layers.ok()) return layers.status();
+      return make_quantized_cache(model, options, std::move(*layers));
+    }
   }
   return invalid_argument("unknown cache method");
+}
+
+// The LayerQuantizer a method uses in `layer` (empty rotation = identity). For the fidelity
+// evaluator; int4/kivi/bf16/exact have none.
+inline Result<host::LayerQuantizer> layer_quantizer(CacheMethod method, const LlamaConfig& model, int32_t layer,
+                                                    const io::Plan* plan) {
+  switch (method) {
+    case CacheMethod::kInt2Naive: return host::LayerQuantizer{};
+    case CacheMethod::kInt2Hadamard: return hadamard_quantizers(1, model.head_dim)[0];
+    case CacheMethod::kOscar:
+    case CacheMethod::kOscarFit: {
+      if (!plan) return failed_precondition("needs a plan file");
+      auto layers = plan_quantizers(method, *plan, model);
+      if (!layers.ok()) return layers.status();
+      return (*layers)[static_cast<size_t>(layer)];
+    }
+    default: return invalid_argument("this method has no INT2 layer quantizer");
+  }
 }
 
 }  // namespace oscar::decode

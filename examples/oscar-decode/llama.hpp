@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -136,6 +138,30 @@ class ExactKvCache final : public KvCache {
     const int32_t group = num_qo_heads_ / num_kv_heads_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
     const int64_t first = length_ - step_;
+    if (step_ > 1) {
+      // A chunk of queries: one matrix product per head over all visible keys, the causal
+      // mask applied to the scores (calibration and the evaluator prefill long texts here).
+      using Map = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+      using MapOut = Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>>;
+      const int64_t keys = length_;
+      const Eigen::Index stride = static_cast<Eigen::Index>(num_qo_heads_) * head_dim_;
+      for (int32_t h = 0; h < num_qo_heads_; ++h) {
+        const int32_t kvh = h / group;
+        const Map qh(q + static_cast<int64_t>(h) * head_dim_, step_, head_dim_, Eigen::OuterStride<>(stride));
+        RowMatrix s = (qh * k_[layer][kvh].topRows(keys).transpose()) * scale;
+        for (int32_t t = 0; t < step_; ++t) {
+          const Eigen::Index visible = first + t + 1;
+          auto row = s.row(t);
+          const float m = row.head(visible).maxCoeff();
+          row.head(visible) = (row.head(visible).array() - m).exp();
+          row.tail(keys - visible).setZero();
+          row /= row.sum();
+        }
+        MapOut(out + static_cast<int64_t>(h) * head_dim_, step_, head_dim_, Eigen::OuterStride<>(stride)) =
+            s * v_[layer][kvh].topRows(keys);
+      }
+      return Status::Ok();
+    }
     for (int32_t t = 0; t < step_; ++t) {
       const int64_t keys = first + t + 1;
       for (int32_t h = 0; h < num_qo_heads_; ++h) {
@@ -174,7 +200,8 @@ class PagedKvCache final : public KvCache {
   static Result<std::unique_ptr<PagedKvCache>> create(const LlamaConfig& model, int64_t capacity,
                                                       int32_t sink_tokens, int32_t recent_tokens,
                                                       int32_t page_size,
-                                                      std::vector<host::LayerQuantizer> layers) {
+                                                      std::vector<host::LayerQuantizer> layers,
+                                                      int32_t max_requests = 1) {
     host::CacheConfig config;
     config.num_layers = model.num_layers;
     config.num_qo_heads = model.num_qo_heads;
@@ -183,7 +210,7 @@ class PagedKvCache final : public KvCache {
     config.page_size = page_size;
     config.sink_tokens = sink_tokens;
     config.recent_tokens = recent_tokens;
-    config.max_requests = 1;
+    config.max_requests = max_requests;
     if (page_size <= 0) return invalid_argument("--page-size must be positive");
     const int64_t pages = (capacity + page_size - 1) / page_size;
     // BF16: the sink pages, the window's pages (recent + page_size - 1 tokens: at most
@@ -191,16 +218,38 @@ class PagedKvCache final : public KvCache {
     // demotes, which stay allocated until finish(); INT2: every page of the context at most.
     const int64_t sink_pages = (std::min<int64_t>(sink_tokens, capacity) + page_size - 1) / page_size;
     const int64_t window_pages = std::min<int64_t>(pages, (recent_tokens + page_size - 1) / page_size + 2);
-    config.num_bf16_pages = static_cast<int32_t>(sink_pages + 2 * window_pages + 2);
-    config.num_int2_pages = static_cast<int32_t>(pages + 1);
+    config.num_bf16_pages = static_cast<int32_t>((sink_pages + 2 * window_pages + 2) * max_requests);
+    config.num_int2_pages = static_cast<int32_t>((pages + 1) * max_requests);
     auto cache = host::PagedCache::create(config, std::move(layers));
     if (!cache.ok()) return cache.status();
     std::unique_ptr<PagedKvCache> out(new PagedKvCache(std::move(*cache), capacity));
     auto request = out->cache_.add_request();
     if (!request.ok()) return request.status();
     out->request_ = *request;
+    out->lengths_[*request] = 0;
     return out;
   }
+
+  // Prefix sharing: a new request holding the active request's tokens (its full pages shared
+  // by reference count, PagedCache::fork_request), made the active one. Both stay alive.
+  Result<host::RequestId> fork_active() {
+    auto child = cache_.fork_request(request_);
+    if (!child.ok()) return child.status();
+    lengths_[*child] = length_;
+    request_ = *child;
+    return *child;
+  }
+  // Later steps go to request `id` (from create() or fork_active()).
+  Status activate(host::RequestId id) {
+    if (step_ != 0) return failed_precondition("activate: a step is open");
+    const auto it = lengths_.find(id);
+    if (it == lengths_.end()) return out_of_range("request " + std::to_string(id) + " does not exist");
+    lengths_[request_] = length_;
+    request_ = id;
+    length_ = it->second;
+    return Status::Ok();
+  }
+  host::RequestId active_request() const { return request_; }
 
   Status begin_step(int32_t n) override {
     if (length_ + n > capacity_) {
@@ -234,6 +283,7 @@ class PagedKvCache final : public KvCache {
   }
   Status end_step() override {
     step_ = 0;
+    lengths_[request_] = length_;
     return cache_.finish(plan_);
   }
   int64_t length() const override { return length_; }
@@ -252,6 +302,7 @@ class PagedKvCache final : public KvCache {
   host::WritePlan plan_;
   int64_t length_ = 0;
   int32_t step_ = 0;
+  std::map<host::RequestId, int64_t> lengths_;  // every live request's length
   std::vector<bf16_t> k_bf16_, v_bf16_;
 };
 
@@ -265,12 +316,14 @@ inline void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float ep
   }
 }
 
-// Rotates each head of `x` ([tokens, heads * head_dim]) in place; row t is at position first + t.
-inline void apply_rope(RowMatrix& x, int32_t heads, const LlamaConfig& c, int64_t first) {
+// Rotates each head of `x` ([tokens, heads * head_dim]) in place; row t is at position
+// first + t % period (period: the tokens of one sequence when several are stacked; 0 = all rows).
+inline void apply_rope(RowMatrix& x, int32_t heads, const LlamaConfig& c, int64_t first, Eigen::Index period = 0) {
   const int32_t d = c.head_dim;
   const int32_t half = d / 2;
+  if (period <= 0) period = x.rows();
   for (Eigen::Index t = 0; t < x.rows(); ++t) {
-    const double pos = static_cast<double>(first + t);
+    const double pos = static_cast<double>(first + t % period);
     for (int32_t i = 0; i < half; ++i) {
       // The angle in double: at position 8000 a float angle would be off by ~1e-3 rad.
       const double freq = std::pow(static_cast<double>(c.rope_base), -2.0 * i / d);
@@ -288,35 +341,62 @@ inline void apply_rope(RowMatrix& x, int32_t heads, const LlamaConfig& c, int64_
   }
 }
 
-// Runs `tokens` (the next tokens of the sequence in `cache`) through the model and returns
-// the logits of each, [tokens, vocab] (or only of the last token when last_only).
-inline Result<RowMatrix> forward(const LlamaWeights& w, KvCache& cache, const std::vector<int32_t>& tokens,
-                                 bool last_only = false) {
+// Sees each layer's post-RoPE activations of a step, as the cache receives them:
+// q [tokens, num_qo_heads * head_dim], k and v [tokens, num_kv_heads * head_dim], row-major.
+// Calibration and the dumps read the model through it.
+using LayerObserver = std::function<void(int32_t layer, const RowMatrix& q, const RowMatrix& k, const RowMatrix& v)>;
+
+// Runs `tokens` (the next tokens of the sequence in each cache) through the model once per
+// cache, in lockstep: every cache holds the same number of tokens and gets the same new ones
+// (teacher forcing), so the weight products are shared (one matrix-matrix product over all
+// caches' rows) while each cache stores and attends on its own. Returns one logits matrix
+// per cache, [tokens, vocab] (or only of the last token when last_only). The observer, if
+// any, sees the first cache's activations.
+inline Result<std::vector<RowMatrix>> forward_lockstep(const LlamaWeights& w, const std::vector<KvCache*>& caches,
+                                                       const std::vector<int32_t>& tokens, bool last_only = false,
+                                                       const LayerObserver* observer = nullptr) {
   const LlamaConfig& c = w.config;
   const auto n = static_cast<Eigen::Index>(tokens.size());
+  const auto b = static_cast<Eigen::Index>(caches.size());
   if (n == 0) return invalid_argument("forward: no tokens");
-  RowMatrix x(n, c.hidden);
+  if (b == 0) return invalid_argument("forward: no cache");
+  const int64_t first = caches[0]->length();
+  for (KvCache* cache : caches) {
+    if (cache->length() != first) return failed_precondition("forward_lockstep: caches of different lengths");
+  }
+  RowMatrix x(n * b, c.hidden);
   for (Eigen::Index t = 0; t < n; ++t) {
     const int32_t id = tokens[static_cast<size_t>(t)];
     if (id < 0 || id >= c.vocab_size) {
       return out_of_range("token id " + std::to_string(id) + " outside the vocabulary of " +
                           std::to_string(c.vocab_size));
     }
-    x.row(t) = w.embedding.row(id);
+    for (Eigen::Index i = 0; i < b; ++i) x.row(i * n + t) = w.embedding.row(id);
   }
-  const int64_t first = cache.length();
-  OSCAR_RETURN_IF_ERROR(cache.begin_step(static_cast<int32_t>(n)));
-  RowMatrix xn, q, k, v, attn(n, static_cast<Eigen::Index>(c.num_qo_heads) * c.head_dim), gate, up;
+  for (KvCache* cache : caches) OSCAR_RETURN_IF_ERROR(cache->begin_step(static_cast<int32_t>(n)));
+  const int64_t qw = static_cast<int64_t>(c.num_qo_heads) * c.head_dim;
+  const int64_t kw = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  RowMatrix xn, q, k, v, attn(n * b, qw), gate, up;
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LlamaLayer& L = w.layers[static_cast<size_t>(l)];
     rms_norm(x, L.attn_norm, c.rms_eps, xn);
     q.noalias() = xn * L.wq.transpose();
     k.noalias() = xn * L.wk.transpose();
     v.noalias() = xn * L.wv.transpose();
-    apply_rope(q, c.num_qo_heads, c, first);
-    apply_rope(k, c.num_kv_heads, c, first);
-    OSCAR_RETURN_IF_ERROR(cache.write(l, k.data(), v.data()));
-    OSCAR_RETURN_IF_ERROR(cache.attend(l, q.data(), attn.data()));
+    apply_rope(q, c.num_qo_heads, c, first, n);
+    apply_rope(k, c.num_kv_heads, c, first, n);
+    if (observer) {
+      if (b == 1) {
+        (*observer)(l, q, k, v);
+      } else {
+        (*observer)(l, q.topRows(n), k.topRows(n), v.topRows(n));
+      }
+    }
+    for (Eigen::Index i = 0; i < b; ++i) {
+      KvCache& cache = *caches[static_cast<size_t>(i)];
+      OSCAR_RETURN_IF_ERROR(cache.write(l, k.data() + i * n * kw, v.data() + i * n * kw));
+      OSCAR_RETURN_IF_ERROR(cache.attend(l, q.data() + i * n * qw, attn.data() + i * n * qw));
+    }
     x.noalias() += attn * L.wo.transpose();
     rms_norm(x, L.ffn_norm, c.rms_eps, xn);
     gate.noalias() = xn * L.w_gate.transpose();
@@ -324,14 +404,22 @@ inline Result<RowMatrix> forward(const LlamaWeights& w, KvCache& cache, const st
     gate = (gate.array() / (1.0f + (-gate.array()).exp())) * up.array();  // SiLU(gate) * up
     x.noalias() += gate * L.w_down.transpose();
   }
-  OSCAR_RETURN_IF_ERROR(cache.end_step());
-  if (last_only) {
-    RowMatrix last = x.bottomRows(1);
-    x = last;
+  for (KvCache* cache : caches) OSCAR_RETURN_IF_ERROR(cache->end_step());
+  std::vector<RowMatrix> out;
+  for (Eigen::Index i = 0; i < b; ++i) {
+    RowMatrix rows = last_only ? RowMatrix(x.middleRows(i * n + n - 1, 1)) : RowMatrix(x.middleRows(i * n, n));
+    rms_norm(rows, w.final_norm, c.rms_eps, xn);
+    out.push_back(xn * w.output_matrix().transpose());
   }
-  rms_norm(x, w.final_norm, c.rms_eps, xn);
-  RowMatrix logits = xn * w.output_matrix().transpose();
-  return logits;
+  return out;
+}
+
+// One cache: the logits of `tokens`, [tokens, vocab] (or only of the last token).
+inline Result<RowMatrix> forward(const LlamaWeights& w, KvCache& cache, const std::vector<int32_t>& tokens,
+                                 bool last_only = false, const LayerObserver* observer = nullptr) {
+  auto out = forward_lockstep(w, {&cache}, tokens, last_only, observer);
+  if (!out.ok()) return out.status();
+  return std::move((*out)[0]);
 }
 
 // ---- loading from GGUF ----------------------------------------------------------------------

@@ -1,10 +1,15 @@
 // oscar-decode: a real Llama model (SmolLM2-135M-Instruct by default) on the CPU with its KV
-// cache in the library's paged cache: BF16, naive INT2, Hadamard INT2 or OSCAR.
+// cache in the library's paged cache: BF16, INT4 (simulated), naive INT2, KIVI (simulated),
+// Hadamard INT2 or OSCAR (fixed or fitted clip ratios from a plan file).
 //
 //   oscar-decode generate   --prompt "What is the capital of France?" [--cache METHOD]
 //   oscar-decode perplexity --text FILE --ctx 512 --cache int2-hadamard
+//   oscar-decode calibrate  --text FILE --out PLAN
+//   oscar-decode dump       --text FILE --ctx N --out FILE [--layers 0,5]
+//   oscar-decode share      --prompt A --prompt2 B
+//   oscar-decode fidelity   --text FILE --ctx N --plan PLAN
 //
-// perplexity ends its output with one line, the stable scripting interface:
+// perplexity with one --cache ends its output with one line, the stable scripting interface:
 //   perplexity=<float> kl=<float> tokens=<int>
 // Every scored token reads its past through the cache exactly as decode would: tokens go in
 // one at a time (or --chunk N at a time through extend over the already-quantized prefix),
@@ -20,14 +25,21 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
+#include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <unistd.h>
 #include <vector>
 
 #include "cache_methods.hpp"
+#include "calibration.hpp"
+#include "fidelity.hpp"
 #include "gguf.hpp"
 #include "llama.hpp"
+#include "oscar/io/plan_file.hpp"
+#include "oscar/io/safetensors.hpp"
 #include "tinystories.hpp"
 #include "tokenizer.hpp"
 
@@ -38,6 +50,7 @@ using oscar::Result;
 using oscar::Status;
 
 constexpr const char* kDefaultModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const std::vector<std::string> kModes = {"generate", "perplexity", "calibrate", "dump", "share", "fidelity"};
 
 std::string default_model_path() {
   if (const char* m = std::getenv("OSCAR_MODEL"); m && *m) return m;
@@ -57,14 +70,31 @@ void print_help() {
       "\n"
       "usage:\n"
       "  oscar-decode generate   [--prompt TEXT] [options]\n"
-      "  oscar-decode perplexity --text FILE [--ctx N] [options]\n"
+      "  oscar-decode perplexity --text FILE [--ctx N] [--cache METHOD[,METHOD...]] [options]\n"
+      "  oscar-decode calibrate  --text FILE --out PLAN [options]\n"
+      "  oscar-decode dump       --text FILE --out FILE [--ctx N] [--layers LIST]\n"
+      "  oscar-decode share      [--prompt TEXT] [--prompt2 TEXT] [options]\n"
+      "  oscar-decode fidelity   --text FILE [--plan PLAN] [--ctx N] [--methods LIST] [options]\n"
       "  oscar-decode --help\n"
       "\n"
       "modes:\n"
       "  generate     greedy continuation of --prompt; prints the text, tokens/s and KV bytes/token\n"
       "  perplexity   teacher-forced perplexity of the first --ctx tokens of --text, and the mean\n"
-      "               next-token KL(bf16 cache || this cache); last line:\n"
-      "               perplexity=<float> kl=<float> tokens=<int>\n"
+      "               next-token KL(bf16 cache || this cache). With one --cache the last line is\n"
+      "                 perplexity=<float> kl=<float> tokens=<int>\n"
+      "               With a comma-separated list, all run in lockstep with one bf16 reference and\n"
+      "               print one 'cache=M perplexity=.. kl=.. tokens=..' line each.\n"
+      "  calibrate    fits an OSCAR plan (rotations + per-layer clip ratios) from --text through the\n"
+      "               streaming accumulators and writes it to --out (a plan file, docs/fitting.md)\n"
+      "  dump         writes the post-RoPE q/k/v of --layers for the first --ctx tokens of --text\n"
+      "               as safetensors (layers.{l}.q [T, Hq, d], .k/.v [T, Hkv, d], F32): the\n"
+      "               calibration input of oscar-fit\n"
+      "  share        runs two prompts with a common prefix as two requests of one paged cache;\n"
+      "               the second is a fork of the first after the prefix (shared pages by\n"
+      "               reference count); prints pages and bytes saved against two separate caches\n"
+      "  fidelity     per-layer attention fidelity of every method on the exact activations of\n"
+      "               --text (logit error, score SNR, attention KL, output error before/after W_O,\n"
+      "               top-k overlap, a needle in the INT2 region); key=value lines, docs/fidelity.md\n"
       "\n"
       "options:\n"
       "  --model FILE          GGUF (llama architecture) or llama2.c .bin model\n"
@@ -73,21 +103,36 @@ void print_help() {
       "  --cache METHOD        %s (default bf16)\n"
       "                          exact          float32 K/V, no rounding (reference)\n"
       "                          bf16           every token BF16 in the paged cache\n"
+      "                          int4           per-token INT4, simulated (upper reference)\n"
       "                          int2-naive     INT2, no rotation, no clipping\n"
+      "                          kivi           KIVI-style INT2 (per-channel keys over 32-token\n"
+      "                                         groups, per-token values), simulated\n"
       "                          int2-hadamard  INT2 after a normalized Hadamard rotation\n"
-      "                          oscar          INT2 with fitted rotations/clip ratios (--plan)\n"
-      "  --plan FILE           fitted OSCAR plan (needed by --cache oscar)\n"
-      "  --sink N              first N tokens stay BF16 (default 0)\n"
-      "  --recent N            newest N..N+page_size-1 tokens stay BF16 (default 0)\n"
+      "                          oscar          INT2, the plan's rotations, the authors' fixed clip\n"
+      "                                         ratios 0.96 (K) / 0.92 (V) (needs --plan)\n"
+      "                          oscar-fit      INT2, the plan's rotations and fitted clip ratios\n"
+      "  --plan FILE           plan file (from calibrate or oscar-fit), for oscar and oscar-fit\n"
+      "  --sink N              first N tokens stay BF16 (default 0; calibrate records it, default 64)\n"
+      "  --recent N            newest N..N+page_size-1 tokens stay BF16 (default 0; calibrate: 256)\n"
       "  --page-size N         tokens per cache page: 8, 16, ..., 256 (default 16)\n"
-      "  --ctx N               perplexity: tokens scored, from the start of the text (default 512);\n"
-      "                        generate: cache capacity in tokens (default 2048)\n"
+      "  --ctx N               perplexity, dump, fidelity: tokens taken from the start of the text\n"
+      "                        (default 512; fidelity 2048); generate/share: cache capacity\n"
+      "                        (default 2048); calibrate: tokens per calibration sequence (2048)\n"
       "  --chunk N             perplexity: tokens per cache step (default 1: token-by-token decode;\n"
       "                        N > 1 extends in chunks over the already-quantized prefix)\n"
-      "  --text FILE           text for perplexity (UTF-8)\n"
-      "  --prompt TEXT         prompt for generate (default: \"What is the capital of France?\")\n"
-      "  --raw                 generate: use the prompt as is, without the model's chat template\n"
-      "  --max-new-tokens N    generate: tokens to produce at most (default 64)\n"
+      "  --text FILE           text (UTF-8) for perplexity, calibrate, dump, fidelity\n"
+      "  --out FILE            calibrate: the plan to write; dump: the safetensors file\n"
+      "  --calib-tokens N      calibrate: statistics tokens read from the text at most (default 16384)\n"
+      "  --held-out-tokens N   calibrate: the text's last N tokens are held out for the clip\n"
+      "                        search (default 1024)\n"
+      "  --layers LIST         dump: comma-separated layer indices (default: all)\n"
+      "  --methods LIST        fidelity: methods to evaluate (default: bf16,int4,int2-naive,kivi,\n"
+      "                        int2-hadamard, and oscar,oscar-fit when --plan is given)\n"
+      "  --queries N           fidelity: scored query positions, the last N of the text (default 128)\n"
+      "  --prompt TEXT         prompt for generate and share (default: \"What is the capital of France?\")\n"
+      "  --prompt2 TEXT        share: the second prompt (default: the first with another question)\n"
+      "  --raw                 generate/share: use the prompts as is, without the chat template\n"
+      "  --max-new-tokens N    generate/share: tokens to produce at most (default 64; share 16)\n"
       "  --threads N           threads for Eigen's matrix products (default 1)\n"
       "  --no-progress         no progress bar on stderr\n"
       "  --help                this text\n",
@@ -100,10 +145,18 @@ struct Options {
   std::string cache = "bf16";
   std::string plan;
   std::string text;
+  std::string out;
+  std::string layers;
+  std::string methods;
   std::string prompt = "What is the capital of France?";
-  int64_t sink = 0, recent = 0, page_size = 16, ctx = -1, chunk = 1, max_new_tokens = 64, threads = 1;
+  std::string prompt2;
+  int64_t sink = -1, recent = -1, page_size = 16, ctx = -1, chunk = 1, max_new_tokens = -1, threads = 1;
+  int64_t calib_tokens = 16384, held_out_tokens = 1024, queries = 128;
   bool raw = false;
   bool progress = true;
+
+  int32_t sink_or(int32_t fallback) const { return sink >= 0 ? static_cast<int32_t>(sink) : fallback; }
+  int32_t recent_or(int32_t fallback) const { return recent >= 0 ? static_cast<int32_t>(recent) : fallback; }
 };
 
 int usage_error(const std::string& message) {
@@ -111,17 +164,32 @@ int usage_error(const std::string& message) {
   return 2;
 }
 
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
 // Parses the command line; returns an error message or "".
 std::string parse_args(int argc, char** argv, Options& o) {
   std::map<std::string, std::string*> strings = {
-      {"--model", &o.model}, {"--cache", &o.cache}, {"--plan", &o.plan}, {"--text", &o.text}, {"--prompt", &o.prompt}};
+      {"--model", &o.model}, {"--cache", &o.cache},   {"--plan", &o.plan},       {"--text", &o.text},
+      {"--out", &o.out},     {"--layers", &o.layers}, {"--methods", &o.methods}, {"--prompt", &o.prompt},
+      {"--prompt2", &o.prompt2}};
   std::map<std::string, int64_t*> ints = {{"--sink", &o.sink},
                                           {"--recent", &o.recent},
                                           {"--page-size", &o.page_size},
                                           {"--ctx", &o.ctx},
                                           {"--chunk", &o.chunk},
                                           {"--max-new-tokens", &o.max_new_tokens},
-                                          {"--threads", &o.threads}};
+                                          {"--threads", &o.threads},
+                                          {"--calib-tokens", &o.calib_tokens},
+                                          {"--held-out-tokens", &o.held_out_tokens},
+                                          {"--queries", &o.queries}};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -132,7 +200,9 @@ std::string parse_args(int argc, char** argv, Options& o) {
     if (arg == "--no-progress") { o.progress = false; continue; }
     if (arg.rfind("--", 0) != 0) {
       if (!o.mode.empty()) return "unexpected argument '" + arg + "' (the mode is already '" + o.mode + "')";
-      if (arg != "generate" && arg != "perplexity") return "unknown mode '" + arg + "' (use generate or perplexity)";
+      if (std::find(kModes.begin(), kModes.end(), arg) == kModes.end()) {
+        return "unknown mode '" + arg + "' (use generate, perplexity, calibrate, dump, share or fidelity)";
+      }
       o.mode = arg;
       continue;
     }
@@ -157,16 +227,28 @@ std::string parse_args(int argc, char** argv, Options& o) {
     errno = 0;
     const long long v = std::strtoll(value.c_str(), &end, 10);
     if (value.empty() || *end != '\0' || errno != 0) return "flag " + arg + " needs an integer, got '" + value + "'";
+    // -1 is the internal "not given" of these three; a user's negative value is an error.
+    if (v < 0 && (arg == "--sink" || arg == "--recent" || arg == "--max-new-tokens")) return arg + " must be >= 0";
     *ints[arg] = v;
   }
-  if (o.mode.empty()) return "no mode given (generate or perplexity)";
-  if (o.sink < 0 || o.recent < 0) return "--sink and --recent must be >= 0";
+  if (o.mode.empty()) return "no mode given (generate, perplexity, calibrate, dump, share or fidelity)";
   if (o.chunk <= 0) return "--chunk must be positive";
-  if (o.max_new_tokens < 0) return "--max-new-tokens must be >= 0";
   if (o.threads <= 0) return "--threads must be positive";
   if (o.ctx == 0 || o.ctx < -1) return "--ctx must be positive";
-  if (o.mode == "perplexity" && o.text.empty()) return "perplexity needs --text FILE";
+  if (o.calib_tokens <= 0 || o.held_out_tokens <= 0 || o.queries <= 0) {
+    return "--calib-tokens, --held-out-tokens and --queries must be positive";
+  }
+  const bool needs_text = o.mode == "perplexity" || o.mode == "calibrate" || o.mode == "dump" || o.mode == "fidelity";
+  if (needs_text && o.text.empty()) return o.mode + " needs --text FILE";
+  if ((o.mode == "calibrate" || o.mode == "dump") && o.out.empty()) return o.mode + " needs --out FILE";
   return "";
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
 }
 
 // A loaded model with its tokenizer, whichever file format it came from.
@@ -226,27 +308,28 @@ Result<Model> load_model(const std::string& path) {
   return m;
 }
 
-Result<std::unique_ptr<KvCache>> build_cache(const Options& o, const LlamaConfig& config, int64_t capacity) {
-  auto method = parse_cache_method(o.cache);
+// The plan of --plan, loaded once (empty when none was given).
+struct Plans {
+  std::optional<oscar::io::Plan> plan;
+};
+
+Result<std::unique_ptr<KvCache>> build_cache(const std::string& name, const Options& o, const LlamaConfig& config,
+                                             int64_t capacity, const Plans& plans) {
+  auto method = parse_cache_method(name);
   if (!method.ok()) return method.status();
-  if (*method == CacheMethod::kOscar && o.plan.empty()) {
-    return oscar::invalid_argument("--cache oscar needs --plan FILE (plan files arrive with oscar-fit)");
-  }
-  if (*method == CacheMethod::kOscar) {
-    return oscar::unsupported("--plan '" + o.plan +
-                              "': this build cannot read plan files yet (they arrive with oscar-fit); "
-                              "use bf16, int2-naive or int2-hadamard");
-  }
-  if (*method != CacheMethod::kExact && *method != CacheMethod::kBf16 && !o.plan.empty()) {
-    return oscar::invalid_argument("--plan is only used by --cache oscar");
+  if (needs_plan(*method) && !plans.plan) {
+    return oscar::invalid_argument("--cache " + name + " needs --plan FILE (write one with 'oscar-decode calibrate')");
   }
   CacheOptions co;
   co.capacity = capacity;
-  co.sink_tokens = static_cast<int32_t>(o.sink);
-  co.recent_tokens = static_cast<int32_t>(o.recent);
+  co.sink_tokens = o.sink_or(0);
+  co.recent_tokens = o.recent_or(0);
   co.page_size = static_cast<int32_t>(o.page_size);
-  auto cache = make_cache(*method, config, co);
-  if (!cache.ok()) return oscar::Status(cache.status().code(), "--cache " + o.cache + ": " + cache.status().message());
+  auto cache = make_cache(*method, config, co, plans.plan ? &*plans.plan : nullptr);
+  if (!cache.ok()) {
+    const std::string where = needs_plan(*method) ? "--cache " + name + " --plan " + o.plan : "--cache " + name;
+    return oscar::Status(cache.status().code(), where + ": " + cache.status().message());
+  }
   return cache;
 }
 
@@ -256,12 +339,13 @@ class Progress {
   void update(int64_t done, const std::string& extra) {
     if (!enabled_) return;
     const int width = 40;
-    const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
+    const int filled = total_ > 0 ? static_cast<int>(width * std::min(done, total_) / total_) : width;
     std::fprintf(stderr, "\r[%s%s] %lld/%lld %s", std::string(static_cast<size_t>(filled), '#').c_str(),
                  std::string(static_cast<size_t>(width - filled), '.').c_str(), static_cast<long long>(done),
                  static_cast<long long>(total_), extra.c_str());
     std::fflush(stderr);
   }
+  void reset(int64_t total) { total_ = total; }
   void done() {
     if (enabled_) std::fprintf(stderr, "\n");
   }
@@ -289,40 +373,53 @@ std::vector<double> log_softmax(const float* logits, int32_t n) {
   return out;
 }
 
-int run_generate(const Options& o, const Model& m) {
-  const LlamaConfig& c = m.weights.config;
-  std::string prompt = o.prompt;
-  const bool chat = m.chat && !o.raw;
-  if (chat) {
-    prompt = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-             "<|im_start|>user\n" + o.prompt + "<|im_end|>\n<|im_start|>assistant\n";
-  }
-  std::vector<int32_t> ids = m.encode(prompt, chat);
+int fail(const Status& status) {
+  std::fprintf(stderr, "oscar-decode: %s\n", status.to_string().c_str());
+  return 1;
+}
+
+std::string chat_prompt(const Model& m, const std::string& user, bool raw) {
+  if (!m.chat || raw) return user;
+  return "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+         "<|im_start|>user\n" + user + "<|im_end|>\n<|im_start|>assistant\n";
+}
+
+std::vector<int32_t> encode_prompt(const Model& m, const std::string& user, bool raw) {
+  const bool chat = m.chat && !raw;
+  std::vector<int32_t> ids = m.encode(chat_prompt(m, user, raw), chat);
   if (m.add_bos && m.bos >= 0) ids.insert(ids.begin(), m.bos);
+  return ids;
+}
+
+std::vector<int32_t> encode_text(const Model& m, const std::string& text) {
+  std::vector<int32_t> ids = m.encode(text, /*parse_special=*/false);
+  if (m.add_bos && m.bos >= 0) ids.insert(ids.begin(), m.bos);
+  return ids;
+}
+
+int run_generate(const Options& o, const Model& m, const Plans& plans) {
+  const LlamaConfig& c = m.weights.config;
+  const bool chat = m.chat && !o.raw;
+  std::vector<int32_t> ids = encode_prompt(m, o.prompt, o.raw);
   if (ids.empty()) return usage_error("the prompt is empty");
+  const int64_t max_new = o.max_new_tokens >= 0 ? o.max_new_tokens : 64;
   const int64_t capacity = o.ctx > 0 ? o.ctx : 2048;
-  if (static_cast<int64_t>(ids.size()) + o.max_new_tokens > capacity) {
+  if (static_cast<int64_t>(ids.size()) + max_new > capacity) {
     return usage_error("prompt (" + std::to_string(ids.size()) + " tokens) + --max-new-tokens exceeds --ctx " +
                        std::to_string(capacity));
   }
-  auto cache = build_cache(o, c, capacity);
-  if (!cache.ok()) {
-    std::fprintf(stderr, "oscar-decode: %s\n", cache.status().to_string().c_str());
-    return 1;
-  }
+  auto cache = build_cache(o.cache, o, c, capacity, plans);
+  if (!cache.ok()) return fail(cache.status());
   KvCache& kv = **cache;
   const auto t0 = std::chrono::steady_clock::now();
   auto logits = forward(m.weights, kv, ids, /*last_only=*/true);
-  if (!logits.ok()) {
-    std::fprintf(stderr, "oscar-decode: %s\n", logits.status().to_string().c_str());
-    return 1;
-  }
+  if (!logits.ok()) return fail(logits.status());
   const auto t1 = std::chrono::steady_clock::now();
-  std::printf("%s", chat ? "" : prompt.c_str());
+  std::printf("%s", chat ? "" : o.prompt.c_str());
   std::fflush(stdout);
   int32_t previous = ids.back();
   int64_t generated = 0;
-  for (int64_t step = 0; step < o.max_new_tokens; ++step) {
+  for (int64_t step = 0; step < max_new; ++step) {
     const int32_t next = argmax(logits->data(), c.vocab_size);
     bool stop = false;
     for (int32_t s : m.stop_ids) stop |= next == s;
@@ -331,12 +428,9 @@ int run_generate(const Options& o, const Model& m) {
     std::fflush(stdout);
     previous = next;
     ++generated;
-    if (step + 1 == o.max_new_tokens) break;
+    if (step + 1 == max_new) break;
     logits = forward(m.weights, kv, {next}, true);
-    if (!logits.ok()) {
-      std::fprintf(stderr, "\noscar-decode: %s\n", logits.status().to_string().c_str());
-      return 1;
-    }
+    if (!logits.ok()) return fail(logits.status());
   }
   const auto t2 = std::chrono::steady_clock::now();
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
@@ -351,88 +445,415 @@ int run_generate(const Options& o, const Model& m) {
   return 0;
 }
 
-int run_perplexity(const Options& o, const Model& m) {
-  const LlamaConfig& c = m.weights.config;
+Result<std::vector<int32_t>> text_tokens(const Options& o, const Model& m, int64_t ctx) {
   std::ifstream in(o.text, std::ios::binary);
-  if (!in) return usage_error("--text '" + o.text + "' cannot be opened");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  std::vector<int32_t> ids = m.encode(buffer.str(), /*parse_special=*/false);
-  if (m.add_bos && m.bos >= 0) ids.insert(ids.begin(), m.bos);
-  const int64_t ctx = o.ctx > 0 ? o.ctx : 512;
-  if (static_cast<int64_t>(ids.size()) > ctx) ids.resize(static_cast<size_t>(ctx));
+  if (!in) return oscar::invalid_argument("--text '" + o.text + "' cannot be opened");
+  std::vector<int32_t> ids = encode_text(m, read_file(o.text));
+  if (ctx > 0 && static_cast<int64_t>(ids.size()) > ctx) ids.resize(static_cast<size_t>(ctx));
+  return ids;
+}
+
+// Teacher-forced scoring of `ids` through every method's cache in lockstep, with one bf16
+// reference for the KL (the bf16 method itself, if listed, is the reference: KL 0).
+struct Score {
+  std::string method;
+  double nll = 0, kl = 0;
+  bool has_kl = true;
+  double bytes_per_token = 0;
+};
+
+int run_perplexity(const Options& o, const Model& m, const Plans& plans) {
+  const LlamaConfig& c = m.weights.config;
+  auto tokens = text_tokens(o, m, o.ctx > 0 ? o.ctx : 512);
+  if (!tokens.ok()) return usage_error(tokens.status().message());
+  const std::vector<int32_t>& ids = *tokens;
   if (ids.size() < 2) return usage_error("--text '" + o.text + "' has fewer than 2 tokens");
   const int64_t n = static_cast<int64_t>(ids.size());
+  const std::vector<std::string> methods = split_list(o.cache);
+  if (methods.empty()) return usage_error("--cache is empty");
 
-  auto cache = build_cache(o, c, n);
-  if (!cache.ok()) {
-    std::fprintf(stderr, "oscar-decode: %s\n", cache.status().to_string().c_str());
-    return 1;
+  std::vector<std::unique_ptr<KvCache>> caches;
+  std::vector<Score> scores;
+  int reference = -1;  // index in caches of the bf16 reference
+  for (const std::string& name : methods) {
+    auto cache = build_cache(name, o, c, n, plans);
+    if (!cache.ok()) return fail(cache.status());
+    if (name == "bf16") reference = static_cast<int>(caches.size());
+    caches.push_back(std::move(*cache));
+    scores.push_back({name});
   }
-  // The reference for the KL: the same run through a BF16 cache (skipped when this is it).
-  std::unique_ptr<KvCache> reference;
-  if (o.cache != "bf16") {
-    Options ro = o;
-    ro.cache = "bf16";
-    ro.plan.clear();
-    auto r = build_cache(ro, c, n);
+  if (reference < 0) {
+    auto r = build_cache("bf16", o, c, n, plans);
     if (r.ok()) {
-      reference = std::move(*r);
-    } else if (o.cache == "exact") {
+      reference = static_cast<int>(caches.size());
+      caches.push_back(std::move(*r));
+    } else if (methods == std::vector<std::string>{"exact"}) {
       // e.g. head_dim 8 (TinyStories): the paged cache cannot hold it, the exact one can.
       std::fprintf(stderr, "oscar-decode: note: no bf16 reference for the KL (%s); kl=nan\n",
                    r.status().message().c_str());
+      scores[0].has_kl = false;
     } else {
-      std::fprintf(stderr, "oscar-decode: %s\n", r.status().to_string().c_str());
-      return 1;
+      return fail(r.status());
     }
   }
+  std::vector<KvCache*> raw;
+  for (auto& cache : caches) raw.push_back(cache.get());
   Progress progress(o.progress, n - 1);
-  double nll = 0, kl = 0;
   int64_t scored = 0;
   const auto t0 = std::chrono::steady_clock::now();
   // Feed tokens 0..n-2; the logits after token t predict token t+1.
   for (int64_t start = 0; start < n - 1; start += o.chunk) {
     const int64_t end = std::min<int64_t>(start + o.chunk, n - 1);
     std::vector<int32_t> chunk(ids.begin() + start, ids.begin() + end);
-    auto logits = forward(m.weights, **cache, chunk);
-    if (!logits.ok()) {
-      std::fprintf(stderr, "oscar-decode: %s\n", logits.status().to_string().c_str());
-      return 1;
-    }
-    Result<RowMatrix> ref_logits = RowMatrix();
-    if (reference) {
-      ref_logits = forward(m.weights, *reference, chunk);
-      if (!ref_logits.ok()) {
-        std::fprintf(stderr, "oscar-decode: %s\n", ref_logits.status().to_string().c_str());
-        return 1;
-      }
-    }
+    auto logits = forward_lockstep(m.weights, raw, chunk);
+    if (!logits.ok()) return fail(logits.status());
     for (int64_t t = start; t < end; ++t) {
       const auto row = static_cast<Eigen::Index>(t - start);
-      const std::vector<double> lp = log_softmax(logits->row(row).data(), c.vocab_size);
-      nll -= lp[static_cast<size_t>(ids[static_cast<size_t>(t + 1)])];
-      if (reference) {
-        const std::vector<double> lq = log_softmax(ref_logits->row(row).data(), c.vocab_size);
-        double k = 0;
-        for (int32_t i = 0; i < c.vocab_size; ++i) k += std::exp(lq[static_cast<size_t>(i)]) * (lq[static_cast<size_t>(i)] - lp[static_cast<size_t>(i)]);
-        kl += k;
+      std::vector<double> lq;
+      if (reference >= 0) lq = log_softmax((*logits)[static_cast<size_t>(reference)].row(row).data(), c.vocab_size);
+      for (size_t i = 0; i < scores.size(); ++i) {
+        const std::vector<double> lp = log_softmax((*logits)[i].row(row).data(), c.vocab_size);
+        scores[i].nll -= lp[static_cast<size_t>(ids[static_cast<size_t>(t + 1)])];
+        if (reference >= 0) {
+          double k = 0;
+          for (int32_t v = 0; v < c.vocab_size; ++v) {
+            k += std::exp(lq[static_cast<size_t>(v)]) * (lq[static_cast<size_t>(v)] - lp[static_cast<size_t>(v)]);
+          }
+          scores[i].kl += k;
+        }
       }
       ++scored;
     }
     char extra[96];
-    std::snprintf(extra, sizeof extra, "ppl %.3f", std::exp(nll / static_cast<double>(scored)));
+    std::snprintf(extra, sizeof extra, "ppl(%s) %.3f", scores[0].method.c_str(),
+                  std::exp(scores[0].nll / static_cast<double>(scored)));
     progress.update(scored, extra);
   }
   progress.done();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("cache=%s sink=%lld recent=%lld page_size=%lld chunk=%lld kv_bytes_per_token=%.1f tokens_per_s=%.1f\n",
-              o.cache.c_str(), static_cast<long long>(o.sink), static_cast<long long>(o.recent),
-              static_cast<long long>(o.page_size), static_cast<long long>(o.chunk), (*cache)->bytes_per_token(),
-              static_cast<double>(scored) / seconds);
-  const bool has_kl = reference || o.cache == "bf16";
-  std::printf("perplexity=%.6f kl=%.6f tokens=%lld\n", std::exp(nll / static_cast<double>(scored)),
-              has_kl ? kl / static_cast<double>(scored) : std::nan(""), static_cast<long long>(scored));
+  for (size_t i = 0; i < scores.size(); ++i) scores[i].bytes_per_token = caches[i]->bytes_per_token();
+  auto ppl = [&](const Score& s) { return std::exp(s.nll / static_cast<double>(scored)); };
+  auto kl = [&](const Score& s) { return s.has_kl ? s.kl / static_cast<double>(scored) : std::nan(""); };
+  if (scores.size() == 1) {
+    std::printf("cache=%s sink=%d recent=%d page_size=%lld chunk=%lld kv_bytes_per_token=%.1f tokens_per_s=%.1f\n",
+                o.cache.c_str(), o.sink_or(0), o.recent_or(0), static_cast<long long>(o.page_size),
+                static_cast<long long>(o.chunk), scores[0].bytes_per_token, static_cast<double>(scored) / seconds);
+    std::printf("perplexity=%.6f kl=%.6f tokens=%lld\n", ppl(scores[0]), kl(scores[0]), static_cast<long long>(scored));
+    return 0;
+  }
+  std::printf("sink=%d recent=%d page_size=%lld chunk=%lld caches=%zu tokens_per_s=%.1f (all caches together)\n",
+              o.sink_or(0), o.recent_or(0), static_cast<long long>(o.page_size), static_cast<long long>(o.chunk),
+              caches.size(), static_cast<double>(scored) / seconds);
+  for (const Score& s : scores) {
+    std::printf("cache=%s kv_bytes_per_token=%.1f perplexity=%.6f kl=%.6f tokens=%lld\n", s.method.c_str(),
+                s.bytes_per_token, ppl(s), kl(s), static_cast<long long>(scored));
+  }
+  return 0;
+}
+
+int run_calibrate(const Options& o, const Model& m) {
+  const LlamaConfig& c = m.weights.config;
+  auto tokens = text_tokens(o, m, -1);
+  if (!tokens.ok()) return usage_error(tokens.status().message());
+  CalibrationOptions co;
+  co.sequence_tokens = o.ctx > 0 ? o.ctx : 2048;
+  co.max_tokens = o.calib_tokens;
+  co.held_out_tokens = o.held_out_tokens;
+  co.fit.sink_tokens = o.sink_or(64);
+  co.fit.recent_tokens = o.recent_or(256);
+  co.fit.model_name = o.model.substr(o.model.find_last_of('/') + 1);
+  co.fit.threads = static_cast<int>(o.threads);
+  if (!oscar::is_supported_head_dim(c.head_dim)) {
+    return usage_error("the model's head_dim " + std::to_string(c.head_dim) +
+                       " is not supported by the INT2 cache (64, 128, 256): nothing to calibrate");
+  }
+  Progress progress(o.progress, 1);
+  std::string phase;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto result = calibrate(m.weights, *tokens, co, [&](const CalibrationProgress& p) {
+    if (phase != p.phase) {
+      if (!phase.empty()) progress.done();
+      phase = p.phase;
+      progress.reset(p.total);
+    }
+    progress.update(p.done, p.phase);
+  });
+  progress.done();
+  if (!result.ok()) {
+    if (result.status().code() == oscar::StatusCode::kInvalidArgument) return usage_error(result.status().message());
+    return fail(result.status());
+  }
+  const Status saved = oscar::io::save_plan(result->fit.plan, o.out);
+  if (!saved.ok()) return fail(saved);
+  std::printf("%5s %9s %9s %6s %6s %12s %12s\n", "layer", "spread_K", "spread_V", "rho_K", "rho_V", "J_K/J_K(H)",
+              "J_V/J_V(H)");
+  for (const auto& r : result->fit.reports) {
+    std::printf("%5d %9.2f %9.2f %6.2f %6.2f %12.4f %12.4f\n", r.layer, r.k_spread, r.v_spread, r.k_clip_ratio,
+                r.v_clip_ratio, r.j_k / r.j_k_hadamard, r.j_v / r.j_v_hadamard);
+  }
+  std::printf("(J relative to normalized Hadamard with rho 0.96/0.92 on the held-out tokens; below 1 is better)\n");
+  std::printf("wrote %s: %d layers, head_dim %d, %lld calibration tokens, %lld held-out tokens, %.1f s\n", o.out.c_str(),
+              c.num_layers, c.head_dim, static_cast<long long>(result->statistics_tokens),
+              static_cast<long long>(result->held_out_tokens),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return 0;
+}
+
+int run_dump(const Options& o, const Model& m) {
+  const LlamaConfig& c = m.weights.config;
+  auto tokens = text_tokens(o, m, o.ctx > 0 ? o.ctx : 512);
+  if (!tokens.ok()) return usage_error(tokens.status().message());
+  std::vector<int32_t> layers;
+  if (o.layers.empty()) {
+    for (int32_t l = 0; l < c.num_layers; ++l) layers.push_back(l);
+  } else {
+    for (const std::string& item : split_list(o.layers)) {
+      char* end = nullptr;
+      const long v = std::strtol(item.c_str(), &end, 10);
+      if (*end != '\0' || v < 0 || v >= c.num_layers) {
+        return usage_error("--layers: '" + item + "' is not a layer of this model (0.." + std::to_string(c.num_layers - 1) + ")");
+      }
+      layers.push_back(static_cast<int32_t>(v));
+    }
+  }
+  auto acts = capture_activations(m.weights, *tokens);
+  if (!acts.ok()) return fail(acts.status());
+  const int64_t T = static_cast<int64_t>(tokens->size());
+  oscar::io::SafetensorsWriter writer;
+  for (int32_t l : std::set<int32_t>(layers.begin(), layers.end())) {
+    const auto add = [&](const char* name, const RowMatrix& x, int64_t heads) {
+      return writer.add_f32(oscar::io::layer_tensor_name(l, name), {T, heads, c.head_dim},
+                            std::span<const float>(x.data(), static_cast<size_t>(x.size())));
+    };
+    Status s = add("q", acts->q[static_cast<size_t>(l)], c.num_qo_heads);
+    if (s.ok()) s = add("k", acts->k[static_cast<size_t>(l)], c.num_kv_heads);
+    if (s.ok()) s = add("v", acts->v[static_cast<size_t>(l)], c.num_kv_heads);
+    if (!s.ok()) return fail(s);
+  }
+  writer.set_metadata("format", "oscar-activations");
+  writer.set_metadata("source", "oscar-decode dump");
+  writer.set_metadata("model", o.model.substr(o.model.find_last_of('/') + 1));
+  writer.set_metadata("text", o.text);
+  writer.set_metadata("tokens", std::to_string(T));
+  writer.set_metadata("layout", "post-RoPE (Hugging Face half-split), q [T, Hq, d], k/v [T, Hkv, d]");
+  const std::vector<uint8_t> bytes = writer.serialize();
+  const Status written = oscar::io::write_file_atomic(o.out, bytes);
+  if (!written.ok()) return fail(written);
+  std::printf("wrote %s: %zu layers, %lld tokens, q [%lld, %d, %d], k/v [%lld, %d, %d], %zu bytes\n", o.out.c_str(),
+              std::set<int32_t>(layers.begin(), layers.end()).size(), static_cast<long long>(T),
+              static_cast<long long>(T), c.num_qo_heads, c.head_dim, static_cast<long long>(T), c.num_kv_heads,
+              c.head_dim, bytes.size());
+  return 0;
+}
+
+int run_share(const Options& o, const Model& m, const Plans& plans) {
+  const LlamaConfig& c = m.weights.config;
+  const std::string second = o.prompt2.empty() ? o.prompt + " And what is the capital of Italy?" : o.prompt2;
+  const std::vector<int32_t> a = encode_prompt(m, o.prompt, o.raw), b = encode_prompt(m, second, o.raw);
+  size_t common = 0;
+  while (common < a.size() && common < b.size() && a[common] == b[common]) ++common;
+  // Both requests must have a token of their own to run after the fork.
+  if (common == a.size() || common == b.size()) --common;
+  if (common == 0) return usage_error("the two prompts share no token prefix");
+  const int64_t max_new = o.max_new_tokens >= 0 ? o.max_new_tokens : 16;
+  const int64_t capacity = o.ctx > 0 ? o.ctx : 2048;
+  if (static_cast<int64_t>(std::max(a.size(), b.size())) + max_new > capacity) return usage_error("prompts exceed --ctx");
+  auto method = parse_cache_method(o.cache);
+  if (!method.ok()) return usage_error(method.status().message());
+  if (*method == CacheMethod::kExact || *method == CacheMethod::kInt4 || *method == CacheMethod::kKivi) {
+    return usage_error("share needs a paged cache method (bf16, int2-naive, int2-hadamard, oscar, oscar-fit)");
+  }
+  std::vector<oscar::host::LayerQuantizer> layers;
+  CacheOptions co{capacity, o.sink_or(0), o.recent_or(0), static_cast<int32_t>(o.page_size)};
+  if (*method == CacheMethod::kBf16) {
+    co.sink_tokens = static_cast<int32_t>(capacity);
+    co.recent_tokens = 0;
+  }
+  if (*method == CacheMethod::kInt2Hadamard) layers = hadamard_quantizers(c.num_layers, c.head_dim);
+  else if (needs_plan(*method)) {
+    if (!plans.plan) return usage_error("--cache " + o.cache + " needs --plan FILE");
+    auto q = plan_quantizers(*method, *plans.plan, c);
+    if (!q.ok()) return usage_error("--plan " + o.plan + ": " + q.status().message());
+    layers = std::move(*q);
+  } else {
+    layers = identity_quantizers(c.num_layers);
+  }
+  auto cache = PagedKvCache::create(c, capacity, co.sink_tokens, co.recent_tokens, co.page_size, std::move(layers), 2);
+  if (!cache.ok()) return fail(cache.status());
+  PagedKvCache& kv = **cache;
+  const oscar::host::RequestId first = kv.active_request();
+  auto run = [&](const std::vector<int32_t>& ids, size_t from) -> Result<RowMatrix> {
+    return forward(m.weights, kv, std::vector<int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(from), ids.end()), true);
+  };
+  auto prefix = run(std::vector<int32_t>(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(common)), 0);
+  if (!prefix.ok()) return fail(prefix.status());
+  auto forked = kv.fork_active();
+  if (!forked.ok()) return fail(forked.status());
+  const oscar::host::RequestId second_id = *forked;
+  std::string answers[2];
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<int32_t>& ids = r == 0 ? a : b;
+    Status s = kv.activate(r == 0 ? first : second_id);
+    if (!s.ok()) return fail(s);
+    auto logits = run(ids, common);
+    if (!logits.ok()) return fail(logits.status());
+    int32_t previous = ids.back();
+    for (int64_t step = 0; step < max_new; ++step) {
+      const int32_t next = argmax(logits->data(), c.vocab_size);
+      bool stop = false;
+      for (int32_t id : m.stop_ids) stop |= next == id;
+      if (stop) break;
+      answers[r] += m.decode(previous, next);
+      previous = next;
+      if (step + 1 == max_new) break;
+      logits = forward(m.weights, kv, {next}, true);
+      if (!logits.ok()) return fail(logits.status());
+    }
+  }
+  const oscar::host::PagedCache& pc = kv.cache();
+  const auto& cfg = pc.config();
+  const oscar::host::PoolUsage usage = pc.usage();
+  auto pages_of = [&](oscar::host::RequestId id, int64_t* int2, int64_t* bf16) {
+    const oscar::SegmentCounts s = pc.segments(id);
+    *int2 = s.int2 / cfg.page_size;
+    *bf16 = (s.sink + cfg.page_size - 1) / cfg.page_size + (s.recent + cfg.page_size - 1) / cfg.page_size;
+  };
+  int64_t int2_a = 0, bf16_a = 0, int2_b = 0, bf16_b = 0;
+  pages_of(first, &int2_a, &bf16_a);
+  pages_of(second_id, &int2_b, &bf16_b);
+  const double int2_page_bytes = 2.0 * cfg.num_layers * cfg.num_kv_heads * static_cast<double>(pc.int2_layout().block_bytes());
+  const double bf16_page_bytes = 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.page_size * cfg.head_dim * 2.0;
+  const int64_t int2_separate = int2_a + int2_b, bf16_separate = bf16_a + bf16_b;
+  const double separate = int2_separate * int2_page_bytes + bf16_separate * bf16_page_bytes;
+  const double shared = usage.int2_pages_used * int2_page_bytes + usage.bf16_pages_used * bf16_page_bytes;
+  std::printf("prompt A (%zu tokens): %s\n  -> %s\n", a.size(), o.prompt.c_str(), answers[0].c_str());
+  std::printf("prompt B (%zu tokens): %s\n  -> %s\n", b.size(), second.c_str(), answers[1].c_str());
+  std::printf("common prefix: %zu tokens, computed once; B is a fork of A after it\n", common);
+  std::printf("cache=%s page_size=%d sink=%d recent=%d\n", o.cache.c_str(), cfg.page_size, co.sink_tokens, co.recent_tokens);
+  std::printf("int2_pages: shared_cache=%d separate_caches=%lld (pages held by both: %d)\n", usage.int2_pages_used,
+              static_cast<long long>(int2_separate), usage.int2_pages_shared);
+  std::printf("bf16_pages: shared_cache=%d separate_caches=%lld (pages held by both: %d)\n", usage.bf16_pages_used,
+              static_cast<long long>(bf16_separate), usage.bf16_pages_shared);
+  std::printf("kv_bytes: shared_cache=%.0f separate_caches=%.0f saved=%.0f (%.1f%%)\n", shared, separate,
+              separate - shared, separate > 0 ? 100.0 * (separate - shared) / separate : 0.0);
+  return 0;
+}
+
+int run_fidelity(const Options& o, const Model& m, const Plans& plans) {
+  const LlamaConfig& c = m.weights.config;
+  auto tokens = text_tokens(o, m, o.ctx > 0 ? o.ctx : 2048);
+  if (!tokens.ok()) return usage_error(tokens.status().message());
+  std::vector<std::string> names = split_list(o.methods);
+  if (names.empty()) {
+    names = {"bf16", "int4", "int2-naive", "kivi", "int2-hadamard"};
+    if (plans.plan) {
+      names.push_back("oscar");
+      names.push_back("oscar-fit");
+    }
+  }
+  std::vector<CacheMethod> methods;
+  std::vector<std::vector<oscar::host::LayerQuantizer>> quantizers;
+  for (const std::string& name : names) {
+    auto method = parse_cache_method(name);
+    if (!method.ok()) return usage_error("--methods: " + method.status().message());
+    if (*method == CacheMethod::kExact) return usage_error("--methods: exact is the reference, not a method");
+    if (needs_plan(*method) && !plans.plan) return usage_error("--methods " + name + " needs --plan FILE");
+    std::vector<oscar::host::LayerQuantizer> per_layer(static_cast<size_t>(c.num_layers));
+    if (*method == CacheMethod::kInt2Hadamard) per_layer = hadamard_quantizers(c.num_layers, c.head_dim);
+    if (needs_plan(*method)) {
+      auto q = plan_quantizers(*method, *plans.plan, c);
+      if (!q.ok()) return usage_error("--plan " + o.plan + ": " + q.status().message());
+      per_layer = std::move(*q);
+    }
+    methods.push_back(*method);
+    quantizers.push_back(std::move(per_layer));
+  }
+  const CacheGeometry geometry{o.sink_or(64), o.recent_or(256), static_cast<int32_t>(o.page_size)};
+  const int64_t T = static_cast<int64_t>(tokens->size());
+  if (T < geometry.sink_tokens + geometry.recent_tokens + 4 * geometry.page_size + 64) {
+    return usage_error("fidelity: --text gives " + std::to_string(T) + " tokens; the INT2 region needs more than sink + recent");
+  }
+  // The needle: kNeedle random tokens planted at the first quarter (in the INT2 region, past
+  // the sink) and repeated as the last tokens.
+  constexpr int64_t kNeedle = 16;
+  std::vector<int32_t> needle_ids = *tokens;
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int32_t> pick(1000, c.vocab_size - 1000);
+  std::vector<int32_t> needle(kNeedle);
+  for (auto& id : needle) id = pick(rng);
+  const int64_t plant = std::max<int64_t>(geometry.sink_tokens + geometry.page_size, T / 4);
+  for (int64_t i = 0; i < kNeedle; ++i) {
+    needle_ids[static_cast<size_t>(plant + i)] = needle[static_cast<size_t>(i)];
+    needle_ids[static_cast<size_t>(T - kNeedle + i)] = needle[static_cast<size_t>(i)];
+  }
+  const NeedleSpec spec{plant, plant + kNeedle, T - kNeedle + 1};
+
+  std::fprintf(stderr, "oscar-decode: fidelity: exact activations of %lld tokens (and the needle copy)...\n",
+               static_cast<long long>(T));
+  auto acts = capture_activations(m.weights, *tokens);
+  if (!acts.ok()) return fail(acts.status());
+  auto needle_acts = capture_activations(m.weights, needle_ids);
+  if (!needle_acts.ok()) return fail(needle_acts.status());
+
+  std::printf("fidelity tokens=%lld queries=%lld sink=%d recent=%d page_size=%d needle_at=%lld needle_tokens=%lld\n",
+              static_cast<long long>(T), static_cast<long long>(std::min<int64_t>(o.queries, T)), geometry.sink_tokens,
+              geometry.recent_tokens, geometry.page_size, static_cast<long long>(plant), static_cast<long long>(kNeedle));
+  Progress progress(o.progress, c.num_layers * static_cast<int64_t>(methods.size()));
+  std::vector<std::vector<LayerFidelity>> all(methods.size());
+  int64_t done = 0;
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    for (size_t i = 0; i < methods.size(); ++i) {
+      auto f = layer_fidelity(methods[i], &quantizers[i][static_cast<size_t>(l)], m.weights.layers[static_cast<size_t>(l)], c,
+                              acts->q[static_cast<size_t>(l)], acts->k[static_cast<size_t>(l)],
+                              acts->v[static_cast<size_t>(l)], o.queries, geometry, &*needle_acts, &spec, l);
+      if (!f.ok()) return fail(f.status());
+      all[i].push_back(*f);
+      progress.update(++done, "layer " + std::to_string(l));
+    }
+  }
+  progress.done();
+  auto line = [](const char* what, const std::string& method, const LayerFidelity& f) {
+    std::printf("%s method=%s logit_rel_err=%.6g score_snr_db=%.4f attn_kl=%.6g out_rel_err=%.6g out_wo_rel_err=%.6g "
+                "top1=%.4f top8=%.4f top32=%.4f retrieval_heads=%d needle_top1=%.4f needle_mass_ratio=%.4f\n",
+                what, method.c_str(), f.logit_rel_err, f.score_snr_db, f.attn_kl, f.out_rel_err, f.out_wo_rel_err, f.top1,
+                f.top8, f.top32, f.retrieval_heads, f.needle_top1, f.needle_mass_ratio);
+  };
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    for (size_t i = 0; i < methods.size(); ++i) line(("layer=" + std::to_string(l)).c_str(), names[i], all[i][static_cast<size_t>(l)]);
+  }
+  for (size_t i = 0; i < methods.size(); ++i) {
+    LayerFidelity mean;
+    int64_t needle_pairs = 0;
+    for (const LayerFidelity& f : all[i]) {
+      mean.logit_rel_err += f.logit_rel_err;
+      mean.score_snr_db += f.score_snr_db;
+      mean.attn_kl += f.attn_kl;
+      mean.out_rel_err += f.out_rel_err;
+      mean.out_wo_rel_err += f.out_wo_rel_err;
+      mean.top1 += f.top1;
+      mean.top8 += f.top8;
+      mean.top32 += f.top32;
+      mean.retrieval_heads += f.retrieval_heads;
+      // Needle figures: weighted by each layer's retrieval heads.
+      mean.needle_top1 += f.needle_top1 * f.retrieval_heads;
+      mean.needle_mass_ratio += f.needle_mass_ratio * f.retrieval_heads;
+      needle_pairs += f.retrieval_heads;
+    }
+    const double L = static_cast<double>(all[i].size());
+    mean.logit_rel_err /= L;
+    mean.score_snr_db /= L;
+    mean.attn_kl /= L;
+    mean.out_rel_err /= L;
+    mean.out_wo_rel_err /= L;
+    mean.top1 /= L;
+    mean.top8 /= L;
+    mean.top32 /= L;
+    if (needle_pairs > 0) {
+      mean.needle_top1 /= static_cast<double>(needle_pairs);
+      mean.needle_mass_ratio /= static_cast<double>(needle_pairs);
+    }
+    line("mean", names[i], mean);
+  }
   return 0;
 }
 
@@ -451,19 +872,41 @@ int main(int argc, char** argv) {
   }
   Eigen::setNbThreads(static_cast<int>(o.threads));
   if (o.model.empty()) o.model = default_model_path();
-  // Check the cache flags before the (slow) model load.
-  if (auto method = parse_cache_method(o.cache); !method.ok()) return usage_error(method.status().message());
-  if (o.cache == "oscar" && o.plan.empty()) {
-    return usage_error("--cache oscar needs --plan FILE (plan files arrive with oscar-fit)");
+  // Check the cache flags and files before the (slow) model load.
+  bool plan_needed = false;
+  if (o.mode == "generate" || o.mode == "perplexity" || o.mode == "share") {
+    for (const std::string& name : split_list(o.cache)) {
+      auto method = parse_cache_method(name);
+      if (!method.ok()) return usage_error(method.status().message());
+      plan_needed |= needs_plan(*method);
+    }
+    if (plan_needed && o.plan.empty()) {
+      return usage_error("--cache " + o.cache + " needs --plan FILE (write one with 'oscar-decode calibrate --text FILE --out PLAN')");
+    }
   }
   if (!o.text.empty()) {
     std::ifstream t(o.text);
     if (!t) return usage_error("--text '" + o.text + "' cannot be opened");
   }
-  auto model = load_model(o.model);
-  if (!model.ok()) {
-    std::fprintf(stderr, "oscar-decode: %s\n", model.status().to_string().c_str());
-    return 1;
+  Plans plans;
+  if (!o.plan.empty()) {
+    if (o.mode == "calibrate" || o.mode == "dump") return usage_error("--plan is not used by " + o.mode);
+    if (!plan_needed && o.mode != "fidelity") return usage_error("--plan is only used by --cache oscar and oscar-fit");
+    auto plan = oscar::io::load_plan(o.plan);
+    if (!plan.ok()) return usage_error("--plan '" + o.plan + "': " + plan.status().message());
+    plans.plan = std::move(*plan);
   }
-  return o.mode == "generate" ? run_generate(o, *model) : run_perplexity(o, *model);
+  auto model = load_model(o.model);
+  if (!model.ok()) return fail(model.status());
+  if (plans.plan) {
+    // A plan of another model is a usage error, named before any work.
+    const Status matches = oscar::io::check_plan_matches(*plans.plan, plan_target(model->weights.config));
+    if (!matches.ok()) return usage_error("--plan '" + o.plan + "': " + matches.message());
+  }
+  if (o.mode == "generate") return run_generate(o, *model, plans);
+  if (o.mode == "perplexity") return run_perplexity(o, *model, plans);
+  if (o.mode == "calibrate") return run_calibrate(o, *model);
+  if (o.mode == "dump") return run_dump(o, *model);
+  if (o.mode == "share") return run_share(o, *model, plans);
+  return run_fidelity(o, *model, plans);
 }

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Regenerates docs/fidelity.md and its plots: calibrates an OSCAR plan on one English text,
+# evaluates every cache method on a different one (per-layer attention fidelity at 2K and 8K
+# tokens, end-to-end perplexity and KL against the bf16 cache), renders the plots and writes
+# the document. One command:
+#
+#   scripts/fidelity-report.sh              # everything (~1 hour on 2 free cores)
+#   scripts/fidelity-report.sh --doc-only   # re-render the doc and plots from docs/fidelity/results
+#
+# Texts (Debian's bible-kjv-text, read with the `bible` program of bible-kjv):
+#   calibration  KJV Genesis + Exodus
+#   evaluation   KJV Luke + John (other books, another author and style: held-out text)
+# Needs: a build of oscar-decode (cmake --build build --target oscar-decode), the model
+# (scripts/fetch-model.sh), python3-matplotlib. Environment knobs (defaults in brackets):
+#   OSCAR_DECODE [build/examples/oscar-decode]  CALIB_TOKENS [8192]  LONG_CTX [8192]
+#   E2E_LONG_CTX [4096]  E2E_LONG_METHODS [all seven]  THREADS [1]
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+exe="${OSCAR_DECODE:-build/examples/oscar-decode}"
+results=docs/fidelity/results
+work=build/fidelity
+calib_tokens="${CALIB_TOKENS:-8192}"
+long_ctx="${LONG_CTX:-8192}"
+e2e_long_ctx="${E2E_LONG_CTX:-4096}"
+e2e_long_methods="${E2E_LONG_METHODS:-bf16,int4,int2-naive,kivi,int2-hadamard,oscar,oscar-fit}"
+threads="${THREADS:-1}"
+all_methods=bf16,int4,int2-naive,kivi,int2-hadamard,oscar,oscar-fit
+geometry=(--sink 64 --recent 256 --page-size 16)
+
+if [[ "${1:-}" != "--doc-only" ]]; then
+  [[ -x "$exe" ]] || { echo "fidelity-report.sh: $exe is missing; build it: cmake --build build --target oscar-decode" >&2; exit 2; }
+  mkdir -p "$results" "$work"
+  scripts/kjv-text.sh "Genesis 1:1-50:26" "Exodus 1:1-40:38" > "$work/calibration.txt"
+  scripts/kjv-text.sh "Luke 1:1-24:53" "John 1:1-21:25" > "$work/evaluation.txt"
+  log() { echo "[fidelity-report $(date +%H:%M:%S)] $*" >&2; }
+  log "calibrate on KJV Genesis+Exodus ($calib_tokens tokens)"
+  "$exe" calibrate --text "$work/calibration.txt" --out "$work/plan.safetensors" --ctx 2048 \
+    --calib-tokens "$calib_tokens" --held-out-tokens 1024 --sink 64 --recent 256 --threads 2 --no-progress \
+    > "$results/calibrate.txt"
+  # Two chains on the two cores: the end-to-end runs are single-threaded attention anyway.
+  (
+    log "end to end at 2048 tokens, token by token, all methods in lockstep"
+    "$exe" perplexity --text "$work/evaluation.txt" --ctx 2048 --cache "$all_methods" --plan "$work/plan.safetensors" \
+      "${geometry[@]}" --chunk 1 --threads "$threads" --no-progress > "$results/e2e-2048.txt"
+    log "per-layer fidelity at 2048 tokens"
+    "$exe" fidelity --text "$work/evaluation.txt" --ctx 2048 --plan "$work/plan.safetensors" "${geometry[@]}" \
+      --threads "$threads" --no-progress > "$results/fidelity-2048.txt"
+    log "per-layer fidelity at $long_ctx tokens"
+    "$exe" fidelity --text "$work/evaluation.txt" --ctx "$long_ctx" --plan "$work/plan.safetensors" "${geometry[@]}" \
+      --threads "$threads" --no-progress > "$results/fidelity-$long_ctx.txt"
+  ) &
+  chain=$!
+  log "end to end at $e2e_long_ctx tokens ($e2e_long_methods), extend in chunks of 16"
+  "$exe" perplexity --text "$work/evaluation.txt" --ctx "$e2e_long_ctx" --cache "$e2e_long_methods" \
+    --plan "$work/plan.safetensors" "${geometry[@]}" --chunk 16 --threads "$threads" --no-progress \
+    > "$results/e2e-$e2e_long_ctx.txt"
+  wait "$chain"
+  cp "$work/plan.safetensors" "$results/../plan-kjv-genesis-exodus.safetensors"
+fi
+# Debian's python3 has python3-matplotlib; a python3 earlier on PATH (pyenv, venv) may not.
+"${PYTHON:-/usr/bin/python3}" scripts/fidelity_report.py --results "$results" --out docs/fidelity.md --plots docs/fidelity

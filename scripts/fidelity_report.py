@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Writes docs/fidelity.md and its PNG plots from the result files of scripts/fidelity-report.sh.
+
+Every number in the document comes from those files (oscar-decode's key=value output); the
+prose around them states what the numbers show, computed here, so a rerun on another machine
+or model rewrites it consistently.
+"""
+import argparse
+import glob
+import math
+import os
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METHODS = ["bf16", "int4", "int2-naive", "kivi", "int2-hadamard", "oscar", "oscar-fit"]
+COLORS = {"bf16": "black", "int4": "tab:gray", "int2-naive": "tab:red", "kivi": "tab:purple",
+          "int2-hadamard": "tab:orange", "oscar": "tab:cyan", "oscar-fit": "tab:blue"}
+ELEMENTS_PER_TOKEN = 2 * 30 * 3 * 64  # K and V, layers, KV heads, head_dim of SmolLM2-135M
+
+
+def parse_kv(line):
+    return dict(re.findall(r"(\w+)=(\S+)", line))
+
+
+def read_e2e(path):
+    rows = {}
+    if not os.path.exists(path):
+        return rows
+    for line in open(path):
+        if line.startswith("cache="):
+            kv = parse_kv(line)
+            rows[kv["cache"]] = {k: float(v) for k, v in kv.items() if k != "cache"}
+    return rows
+
+
+def read_fidelity(path):
+    header, layers, means = {}, {}, {}
+    for line in open(path):
+        kv = parse_kv(line)
+        if line.startswith("fidelity "):
+            header = {k: int(v) for k, v in kv.items()}
+        elif line.startswith("layer="):
+            m = kv.pop("method")
+            layer = int(kv.pop("layer"))
+            layers.setdefault(m, {})[layer] = {k: float(v) for k, v in kv.items()}
+        elif line.startswith("mean "):
+            m = kv.pop("method")
+            means[m] = {k: float(v) for k, v in kv.items()}
+    return header, layers, means
+
+
+def read_calibration(path):
+    rows, summary = [], ""
+    if not os.path.exists(path):
+        return rows, summary
+    for line in open(path):
+        parts = line.split()
+        if len(parts) == 7 and parts[0].isdigit():
+            rows.append({"layer": int(parts[0]), "spread_k": float(parts[1]), "spread_v": float(parts[2]),
+                         "rho_k": float(parts[3]), "rho_v": float(parts[4]), "jk": float(parts[5]),
+                         "jv": float(parts[6])})
+        if line.startswith("wrote "):
+            summary = line.strip()
+    return rows, summary
+
+
+def context_of(path):
+    """The context length in a result file's name: e2e-2048.txt, fidelity-8192.txt."""
+    return int(re.search(r"-(\d+)\.txt$", path).group(1))
+
+
+def fmt(x, digits=4):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e4):
+        return f"{x:.2e}"
+    return f"{x:.{digits}g}"
+
+
+def plot_layers(layers, ctx, out_png):
+    metrics = [("logit_rel_err", "logit relative error", True), ("attn_kl", "attention KL (nats)", True),
+               ("out_wo_rel_err", "output rel. error after W_O", True), ("top8", "top-8 overlap", False)]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (key, title, log) in zip(axes.flat, metrics):
+        for m in METHODS:
+            if m not in layers or m == "bf16" and key == "top8" and False:
+                continue
+            xs = sorted(layers[m])
+            ys = [layers[m][x][key] for x in xs]
+            ax.plot(xs, ys, marker="o", ms=3, label=m, color=COLORS.get(m))
+        ax.set_title(title)
+        ax.set_xlabel("layer")
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M, per-layer attention fidelity at {ctx} tokens (KJV Luke+John; sink 64, window 256)")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def plot_clip(rows, out_png):
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    xs = [r["layer"] for r in rows]
+    ax.plot(xs, [r["rho_k"] for r in rows], marker="o", ms=3, label="fitted rho_K")
+    ax.plot(xs, [r["rho_v"] for r in rows], marker="s", ms=3, label="fitted rho_V")
+    ax.axhline(0.96, color="tab:blue", ls="--", lw=1, label="authors' rho_K 0.96")
+    ax.axhline(0.92, color="tab:orange", ls="--", lw=1, label="authors' rho_V 0.92")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("clip ratio")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def e2e_table(rows, lines):
+    base = rows.get("bf16", {}).get("perplexity")
+    lines.append("| cache | bits/element | perplexity | Δ vs bf16 | next-token KL vs bf16 |")
+    lines.append("|---|---|---|---|---|")
+    for m in METHODS:
+        if m not in rows:
+            continue
+        r = rows[m]
+        bits = r["kv_bytes_per_token"] * 8 / ELEMENTS_PER_TOKEN
+        delta = r["perplexity"] - base if base else float("nan")
+        lines.append(f"| {m} | {bits:.2f} | {r['perplexity']:.3f} | {delta:+.3f} | {r['kl']:.4f} |")
+
+
+def gap_sentence(rows, label):
+    if not all(m in rows for m in ("bf16", "int2-hadamard")):
+        return ""
+    base = rows["bf16"]["perplexity"]
+    h = rows["int2-hadamard"]["perplexity"] - base
+    out = []
+    for m in ("oscar", "oscar-fit"):
+        if m in rows and h > 0:
+            g = rows[m]["perplexity"] - base
+            verdict = "meets" if g <= h / 3 else "misses"
+            out.append(f"{m}'s perplexity gap to bf16 is {g:.3f}, {g / h:.2f} of int2-hadamard's {h:.3f} "
+                       f"({verdict} the goal of at most a third)")
+    return f"At {label}: " + "; ".join(out) + "." if out else ""
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plots", required=True)
+    a = ap.parse_args()
+    os.makedirs(a.plots, exist_ok=True)
+    fid_files = sorted(glob.glob(os.path.join(a.results, "fidelity-*.txt")), key=context_of)
+    e2e_files = sorted(glob.glob(os.path.join(a.results, "e2e-*.txt")), key=context_of)
+    calib_rows, calib_summary = read_calibration(os.path.join(a.results, "calibrate.txt"))
+    rel = os.path.relpath(a.plots, os.path.dirname(a.out))
+
+    L = []
+    L.append("# Fidelity of the INT2 caches on a real model (SmolLM2-135M-Instruct)")
+    L.append("")
+    L.append("Generated by `scripts/fidelity-report.sh` (this file, the plots and `docs/fidelity/results/` are its "
+             "output; `scripts/fidelity-report.sh --doc-only` re-renders them from the results). Do not edit by hand.")
+    L.append("")
+    L.append("## Set-up")
+    L.append("")
+    L.append("- Model: SmolLM2-135M-Instruct (GGUF Q4_1 weights, float32 compute on the CPU), 30 layers, 9 query / 3 KV "
+             "heads, head_dim 64 (`docs/decode-app.md`).")
+    L.append("- Calibration text: King James Bible, Genesis + Exodus (Debian `bible-kjv-text`, read by "
+             "`scripts/kjv-text.sh`). Evaluation text: King James Bible, Luke + John: other books, other authors; "
+             "none of their tokens is in the plan's statistics or held-out set.")
+    if calib_summary:
+        L.append(f"- Calibration (`oscar-decode calibrate`, streaming accumulators, proxy value weights, clip grid "
+                 f"1.00…0.85 on held-out calibration tokens): `{calib_summary}`.")
+    L.append("- Cache geometry of every method: BF16 sink 64 tokens, BF16 recent window 256 (to 271) tokens, pages of "
+             "16 tokens, one quantization group per row (as the authors deploy).")
+    L.append("- Methods: `bf16` (reference), `int4` (per-token INT4, simulated: the library has no INT4 pages), "
+             "`int2-naive` (per-token INT2, no rotation), `kivi` (KIVI-style INT2, simulated: per-channel keys over "
+             "32-token groups, per-token values, BF16 residual), `int2-hadamard` (QuaRot-style normalized Hadamard), "
+             "`oscar` (fitted rotations, authors' fixed clip ratios 0.96/0.92), `oscar-fit` (fitted rotations and "
+             "fitted per-layer clip ratios). INT2 methods other than kivi run through the library's `PagedCache` "
+             "(write, demote, decode/extend); the per-layer evaluator rebuilds the cached rows with the same functors.")
+    L.append("")
+
+    L.append("## End to end: perplexity and next-token KL against the bf16 cache")
+    L.append("")
+    for path in e2e_files:
+        ctx = context_of(path)
+        rows = read_e2e(path)
+        if not rows:
+            continue
+        head = open(path).readline().strip()
+        chunk = parse_kv(head).get("chunk", "?")
+        how = "token by token (decode)" if chunk == "1" else f"extend in chunks of {chunk} tokens over the cached prefix"
+        L.append(f"### {ctx} tokens of KJV Luke ({how})")
+        L.append("")
+        e2e_table(rows, L)
+        L.append("")
+        ranked = sorted((m for m in rows if m != "bf16"), key=lambda m: rows[m]["kl"])
+        L.append("Ranked by KL (best first): " + " < ".join(f"{m} ({rows[m]['kl']:.4f})" for m in ranked) + ".")
+        L.append("")
+        s = gap_sentence(rows, f"{ctx} tokens")
+        if s:
+            L.append(s)
+            L.append("")
+        if "oscar" in rows and "oscar-fit" in rows:
+            better = rows["oscar-fit"]["kl"] < rows["oscar"]["kl"]
+            L.append(f"Fitted vs fixed clip ratios on this held-out text: KL {rows['oscar-fit']['kl']:.4f} (fitted) vs "
+                     f"{rows['oscar']['kl']:.4f} (fixed): the fitted ratios are "
+                     f"{'better' if better else 'not better'}.")
+            L.append("")
+    L.append("All methods of one table ran in one process, in lockstep with one bf16 reference (the same tokens, "
+             "teacher-forced); every token read its past through its own cache. bits/element = KV bytes per token at "
+             "the final length (BF16 sink and window included) × 8 / (2 · 30 · 3 · 64).")
+    L.append("")
+
+    for path in fid_files:
+        header, layers, means = read_fidelity(path)
+        if not header or not means:
+            continue  # an unfinished run
+        ctx = header.get("tokens")
+        png = f"fidelity-{ctx}.png"
+        plot_layers(layers, ctx, os.path.join(a.plots, png))
+        L.append(f"## Per-layer attention fidelity at {ctx} tokens")
+        L.append("")
+        L.append(f"Exact post-RoPE q/k/v of the first {ctx} tokens of the evaluation text; the last "
+                 f"{header.get('queries')} positions are the queries (all in the BF16 window), against the cache "
+                 f"state at {ctx} tokens. Means over the 30 layers (needle figures over retrieval heads):")
+        L.append("")
+        L.append("| method | logit rel. err | score SNR (dB) | attention KL | out rel. err | out rel. err after W_O | "
+                 "top-1 | top-8 | top-32 |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for m in METHODS:
+            if m in means:
+                r = means[m]
+                L.append(f"| {m} | {fmt(r['logit_rel_err'])} | {r['score_snr_db']:.2f} | {fmt(r['attn_kl'])} | "
+                         f"{fmt(r['out_rel_err'])} | {fmt(r['out_wo_rel_err'])} | {r['top1']:.3f} | {r['top8']:.3f} | "
+                         f"{r['top32']:.3f} |")
+        L.append("")
+        ranked = sorted((m for m in means if m != "bf16"), key=lambda m: means[m]["attn_kl"])
+        L.append("Ranked by mean attention KL (best first): " + " < ".join(ranked) + ".")
+        L.append("")
+        L.append(f"![per-layer fidelity at {ctx} tokens]({rel}/{png})")
+        L.append("")
+        if "bf16" in means:
+            heads = int(means["bf16"]["retrieval_heads"])
+            L.append(f"**Needle** ({header.get('needle_tokens')} random tokens planted at position "
+                     f"{header.get('needle_at')}, inside the INT2 region, and repeated as the last tokens; "
+                     f"{heads} retrieval heads put ≥ 30% of their exact attention from the repeat on the planted span):")
+            L.append("")
+            L.append("| method | top-1 key in the span | span's attention mass / exact |")
+            L.append("|---|---|---|")
+            for m in METHODS:
+                if m in means:
+                    L.append(f"| {m} | {means[m]['needle_top1']:.3f} | {means[m]['needle_mass_ratio']:.3f} |")
+            L.append("")
+        # Where OSCAR does not win, computed.
+        if "oscar-fit" in layers and "int2-hadamard" in layers:
+            worse = [l for l in sorted(layers["oscar-fit"])
+                     if layers["oscar-fit"][l]["attn_kl"] > layers["int2-hadamard"][l]["attn_kl"]]
+            L.append(f"Layers where oscar-fit's attention KL is above int2-hadamard's: "
+                     f"{', '.join(map(str, worse)) if worse else 'none'}.")
+            if "oscar" in layers:
+                fixed_better = [l for l in sorted(layers["oscar-fit"])
+                                if layers["oscar"][l]["attn_kl"] < layers["oscar-fit"][l]["attn_kl"]]
+                L.append(f"Layers where the fixed ratios (oscar) beat the fitted ones (oscar-fit) in attention KL: "
+                         f"{', '.join(map(str, fixed_better)) if fixed_better else 'none'}.")
+            for other in ("kivi", "int4"):
+                if other in means and "oscar-fit" in means:
+                    wins = [k for k in ("logit_rel_err", "attn_kl", "out_wo_rel_err")
+                            if means[other][k] < means["oscar-fit"][k]]
+                    if wins:
+                        L.append(f"{other} is better than oscar-fit in mean {', '.join(wins)}.")
+            L.append("")
+
+    if calib_rows:
+        plot_clip(calib_rows, os.path.join(a.plots, "clip-ratios.png"))
+        jk = sum(r["jk"] for r in calib_rows) / len(calib_rows)
+        jv = sum(r["jv"] for r in calib_rows) / len(calib_rows)
+        at_floor = sum(1 for r in calib_rows if r["rho_v"] <= 0.85 + 1e-6)
+        L.append("## The fitted plan")
+        L.append("")
+        L.append(f"Per layer, the fit's own objectives on the held-out calibration tokens, relative to normalized "
+                 f"Hadamard with the fixed ratios: mean J_K ratio {jk:.3f}, mean J_V ratio {jv:.3f} (below 1 is "
+                 f"better). {at_floor} of {len(calib_rows)} layers chose ρ_V at the grid's floor 0.85 (the grid could "
+                 f"go lower).")
+        L.append("")
+        L.append(f"![fitted clip ratios]({rel}/clip-ratios.png)")
+        L.append("")
+        L.append("| layer | spread K | spread V | ρ_K | ρ_V | J_K / J_K(H) | J_V / J_V(H) |")
+        L.append("|---|---|---|---|---|---|---|")
+        for r in calib_rows:
+            L.append(f"| {r['layer']} | {r['spread_k']:.2f} | {r['spread_v']:.2f} | {r['rho_k']:.2f} | "
+                     f"{r['rho_v']:.2f} | {r['jk']:.3f} | {r['jv']:.3f} |")
+        L.append("")
+
+    L.append("## What was run, and what was not")
+    L.append("")
+    L.append("- The end-to-end runs at the model's longest context (8192 tokens) for every method did not fit the "
+             "2-core CPU budget: the CPU reference attention of the paged cache is scalar, and token-by-token decode "
+             "over 8K tokens for 7 caches would take hours. Done instead: all methods end to end at 2048 tokens "
+             "token by token; the longest end-to-end table above for the methods it names, extending 16 tokens per "
+             "step (each chunk sits inside the BF16 window, so every token still reads all earlier ones through the "
+             "cache); per-layer fidelity of every method at 8192 tokens.")
+    L.append("- int4 and kivi are simulated (fake-quantized floats, `examples/oscar-decode/simulated_cache.hpp`); their "
+             "bits/element are computed for the format they simulate. kivi's per-channel key metadata (fp16 scale "
+             "and offset per channel per 32 tokens) costs more bits than the per-row INT2 formats.")
+    L.append("- The per-layer metrics use the model's exact activations at every layer (errors do not propagate "
+             "between layers); the end-to-end numbers include propagation.")
+    L.append("")
+    open(a.out, "w").write("\n".join(L))
+
+
+if __name__ == "__main__":
+    main()
