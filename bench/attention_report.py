@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Turns one device run of the decode benchmarks into the table and plot of docs/benchmarks.md.
 
-    bench_attention_gpu --benchmark_out=bench.json --benchmark_out_format=json
+    bench_attention_gpu > bench.txt
     python3 bench/sdpa_baseline.py > sdpa.txt
-    python3 bench/attention_report.py bench.json sdpa.txt docs/img/attention_decode.png
+    python3 bench/attention_report.py bench.txt sdpa.txt docs/img/attention_decode.png
 
 Prints a markdown table (time, bytes the kernel must move, GB/s, % of the copy bandwidth of the
 same run, speedup over PyTorch SDPA and over our BF16 decode) and writes a bar plot of the
@@ -13,15 +13,20 @@ import re
 import sys
 
 
+UNITS = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9}
+
+
 def load_bench(path):
-    with open(path) as f:
-        data = json.load(f)
+    """Google Benchmark's console output (it survives a run cut short, unlike its JSON)."""
     rows = {}
-    for b in data["benchmarks"]:
-        if b.get("run_type") == "aggregate":
-            continue
-        name = b["name"].split("/manual_time")[0]
-        rows[name] = b
+    line_re = re.compile(r"^(\S+)/manual_time\s+([0-9.]+) us\s.*?GB/s=([0-9.]+)([kMG]?)/s bytes=([0-9.]+)([kMG]?)")
+    with open(path) as f:
+        for line in f:
+            m = line_re.match(line)
+            if m:
+                rows[m.group(1)] = {"real_time": float(m.group(2)),
+                                    "GB/s": float(m.group(3)) * UNITS[m.group(4)],
+                                    "bytes": float(m.group(5)) * UNITS[m.group(6)]}
     return rows
 
 

@@ -450,8 +450,14 @@ struct KernelArgs {
   bool decode;
 };
 
+// Blocks per SM the compiler must fit in registers (a tuning knob: 2 caps registers at 128,
+// which spills at d = 128/256; measured in docs/benchmarks.md).
+#ifndef OSCAR_ATTENTION_MIN_BLOCKS_PER_SM
+#define OSCAR_ATTENTION_MIN_BLOCKS_PER_SM 1
+#endif
+
 template <int D>
-__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelArgs args) {
+__global__ void __launch_bounds__(kThreads, OSCAR_ATTENTION_MIN_BLOCKS_PER_SM) paged_attention_kernel(const KernelArgs args) {
   using L = SharedLayout<D>;
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_in = reinterpret_cast<float*>(smem + L::q_in);
