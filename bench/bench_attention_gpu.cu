@@ -127,6 +127,11 @@ struct Problem {
     if (env_int("OSCAR_BENCH_ENGINE_ROTATED", 0) != 0) params.q_rotation = params.output_unrotation = nullptr;
 
     const std::vector<int32_t> query_tokens(queries > 0 ? batch : 0, queries);
+    if (queries > 0) {  // extend: request b's query rows are b*Q .. (b+1)*Q
+      std::vector<int32_t> qo_indptr(size_t(batch) + 1);
+      for (int b = 0; b <= batch; ++b) qo_indptr[size_t(b)] = b * queries;
+      params.qo_indptr = static_cast<int32_t*>(keep(device_copy(qo_indptr)));
+    }
     AttentionPlanOptions options;  // OSCAR_BENCH_BLOCKS_PER_SM: the plan's split target, to tune it
     options.target_blocks_per_sm = env_int("OSCAR_BENCH_BLOCKS_PER_SM", 0);
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
