@@ -46,6 +46,7 @@ struct Problem {
   PagedAttentionParams params;
   void* workspace = nullptr;
   double bytes = 0;  // K/V bytes the kernel must read, plus q and out
+  int blocks_per_sm = 0;  // the plan's target
   std::vector<void*> allocations;
 
   Problem(int batch, int64_t length, int hq, int hkv, int d, int page, bool int2, int sink, int recent,
@@ -132,8 +133,16 @@ struct Problem {
       for (int b = 0; b <= batch; ++b) qo_indptr[size_t(b)] = b * queries;
       params.qo_indptr = static_cast<int32_t*>(keep(device_copy(qo_indptr)));
     }
-    AttentionPlanOptions options;  // OSCAR_BENCH_BLOCKS_PER_SM: the plan's split target, to tune it
-    options.target_blocks_per_sm = env_int("OSCAR_BENCH_BLOCKS_PER_SM", 0);
+    // The device's SM count and resident blocks; OSCAR_BENCH_BLOCKS_PER_SM overrides the
+    // split target, to tune it.
+    auto device_options = attention_plan_options_for_device(d);
+    if (!device_options.ok()) {
+      std::fprintf(stderr, "plan options: %s\n", device_options.status().to_string().c_str());
+      std::exit(1);
+    }
+    AttentionPlanOptions options = *device_options;
+    if (const int bps = env_int("OSCAR_BENCH_BLOCKS_PER_SM", 0); bps > 0) options.target_blocks_per_sm = bps;
+    blocks_per_sm = options.target_blocks_per_sm;
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
@@ -181,6 +190,7 @@ void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, in
   const double gbps = state.counters["GB/s"];
   if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
   state.counters["items"] = double(problem.plan.items.size());
+  state.counters["blocks/SM"] = double(problem.blocks_per_sm);
 }
 
 }  // namespace

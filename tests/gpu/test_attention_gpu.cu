@@ -391,3 +391,18 @@ TEST_CASE("launcher errors name the problem and launch nothing") {
   CHECK(has(make_attention_plan(wrong, segment_lengths(*tables)).status(), "at most 8"));
   CUDA_REQUIRE(cudaDeviceSynchronize());
 }
+
+TEST_CASE("plan options for the device: its SM count and the kernel's resident blocks") {
+  int device = 0, sms = 0;
+  CUDA_REQUIRE(cudaGetDevice(&device));
+  CUDA_REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  for (int d : {64, 128, 256}) {
+    auto options = attention_plan_options_for_device(d);
+    REQUIRE_MESSAGE(options.ok(), options.status().to_string());
+    CHECK(options->num_sms == sms);
+    CHECK(options->target_blocks_per_sm >= 1);
+    CHECK(options->target_blocks_per_sm <= 8);  // 8 warps per block, 64 warps per SM
+    MESSAGE("head_dim " << d << ": " << options->target_blocks_per_sm << " resident blocks per SM");
+  }
+  CHECK(attention_plan_options_for_device(96).status().code() == StatusCode::kUnsupported);
+}

@@ -27,6 +27,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -799,6 +800,31 @@ inline Status check_workspace(const AttentionPlan& plan, const void* workspace, 
 }
 
 }  // namespace attention_detail
+
+// Plan options for the current device and head_dim: its SM count and the number of blocks
+// of the kernel that are resident per SM (registers and shared memory decide it), so the plan
+// makes whole waves. Measured on the H200 at d = 128 (1 resident block): a plan assuming 2
+// made 2.91 waves and took 565 us where a plan of 1 block per SM took 469 us
+// (docs/benchmarks.md). Host-side, call once at start-up, not per step.
+inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_dim) {
+  using namespace attention_detail;
+  int device = 0;
+  OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "attention_plan_options_for_device: cudaGetDevice"));
+  AttentionPlanOptions options;
+  OSCAR_RETURN_IF_ERROR(cuda_status(cudaDeviceGetAttribute(&options.num_sms, cudaDevAttrMultiProcessorCount, device),
+                                    "attention_plan_options_for_device: SM count"));
+  int resident = 0;
+  OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
+    const size_t smem = SharedLayout<D>::bytes;
+    OSCAR_RETURN_IF_ERROR(cuda_status(
+        cudaFuncSetAttribute(paged_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+        "attention_plan_options_for_device: shared memory attribute"));
+    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, paged_attention_kernel<D>, kThreads, smem),
+                       "attention_plan_options_for_device: occupancy");
+  }));
+  options.target_blocks_per_sm = std::max(1, resident);
+  return options;
+}
 
 // Copies the plan's work items into the workspace and zeroes its arrival counters (stream
 // ordered; the host vector may be freed once the stream reaches this point). Call after every
