@@ -22,6 +22,7 @@
 #include <numeric>
 #include <vector>
 
+#include "common/attention_errors.hpp"
 #include "common/device_attention.hpp"
 #include "common/random.hpp"
 #include "host/cache_test_util.hpp"
@@ -60,10 +61,7 @@ std::vector<bf16_t> to_bf16(const std::vector<float>& x) {
   return out;
 }
 
-struct Errors {
-  double worst = 0, mean = 0, worst_lse = 0;
-  bool finite = true;
-};
+using Errors = AttentionErrors;
 
 // Runs the kernel for `ids` (query_tokens empty: decode) and compares with the reference.
 Errors run_and_compare(const PagedCache& cache, const std::vector<RequestId>& ids,
@@ -140,35 +138,12 @@ Errors run_and_compare(const PagedCache& cache, const std::vector<RequestId>& id
     CUDA_REQUIRE(cudaDeviceSynchronize());
     const std::vector<bf16_t> out = d_out.download();
     const std::vector<float> lse = d_lse.download();
-    e = Errors{};
-    for (size_t b = 0; b < ids.size(); ++b) {
-      const double scale = std::max(value_scale(read_cache(cache, 0, ids[b])), 1e-30);
-      for (int32_t row = qo_indptr[b]; row < qo_indptr[b + 1]; ++row) {
-        for (int h = 0; h < c.num_qo_heads; ++h) {
-          const size_t o = (size_t(row) * c.num_qo_heads + h) * d;
-          for (int i = 0; i < d; ++i) {
-            const double got = bf16_to_float(out[o + i]);
-            if (!std::isfinite(got)) e.finite = false;
-            const double err = std::abs(got - ref[o + i]) / scale;
-            e.worst = std::max(e.worst, err);
-            e.mean += err;
-          }
-          const size_t lr = size_t(row) * c.num_qo_heads + h;
-          e.worst_lse = std::max(e.worst_lse, std::abs(double(lse[lr]) - ref_lse[lr]) / (1 + std::abs(ref_lse[lr])));
-        }
-      }
-    }
-    e.mean /= double(rows) * c.num_qo_heads * d;
+    e = attention_errors(cache, 0, ids, qo_indptr, out, lse, ref, ref_lse);
   }
   return e;
 }
 
-void check(const Errors& e) {
-  CHECK(e.finite);
-  CHECK(e.worst <= 0.02);
-  CHECK(e.mean <= 0.003);
-  CHECK(e.worst_lse <= 2e-3);
-}
+void check(const Errors& e) { check_attention_errors(e); }
 
 // A batch of requests with the given lengths, appended in ragged chunks.
 std::vector<RequestId> fill(PagedCache& cache, const std::vector<int>& lengths, uint64_t seed) {

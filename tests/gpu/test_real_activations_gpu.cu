@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "common/attention_errors.hpp"
 #include "common/cuda_check.hpp"
 #include "common/device_attention.hpp"
 #include "common/device_pools.hpp"
@@ -144,10 +145,7 @@ size_t step_both(const Fixture& f, PagedCache& cache, DevicePools& device, const
   return device.count_differences(cache);
 }
 
-struct Errors {
-  double worst = 0, mean = 0, worst_lse = 0;
-  bool finite = true;
-};
+using Errors = AttentionErrors;
 
 // The kernel (rotating q itself, un-rotating the output) against cache.decode / extend with the
 // model's own queries: those of each request's newest `queries[b]` tokens (decode: 1).
@@ -208,26 +206,7 @@ Errors attend(const Fixture& f, const PagedCache& cache, int layer, const std::v
   CUDA_REQUIRE(cudaDeviceSynchronize());
   const std::vector<bf16_t> out = d_out.download();
   const std::vector<float> lse = d_lse.download();
-  Errors e;
-  for (size_t b = 0; b < ids.size(); ++b) {
-    const double scale = std::max(value_scale(read_cache(cache, layer, ids[b])), 1e-30);
-    for (int32_t r = qo_indptr[b]; r < qo_indptr[b + 1]; ++r) {
-      for (int h = 0; h < c.num_qo_heads; ++h) {
-        const size_t o = (size_t(r) * c.num_qo_heads + h) * d;
-        for (int i = 0; i < d; ++i) {
-          const double got = bf16_to_float(out[o + i]);
-          if (!std::isfinite(got)) e.finite = false;
-          const double err = std::abs(got - ref[o + i]) / scale;
-          e.worst = std::max(e.worst, err);
-          e.mean += err;
-        }
-        const size_t lr = size_t(r) * c.num_qo_heads + h;
-        e.worst_lse = std::max(e.worst_lse, std::abs(double(lse[lr]) - ref_lse[lr]) / (1 + std::abs(ref_lse[lr])));
-      }
-    }
-  }
-  e.mean /= double(rows) * c.num_qo_heads * d;
-  return e;
+  return attention_errors(cache, layer, ids, qo_indptr, out, lse, ref, ref_lse);
 }
 
 }  // namespace
@@ -252,15 +231,9 @@ TEST_CASE("real SmolLM2 activations: device pages are the reference's, attention
   for (int li = 0; li < kNumLayers; ++li) {
     CAPTURE(kLayers[li]);
     const Errors dec = attend(f, cache, li, ids, lengths, {});
-    CHECK(dec.finite);
-    CHECK(dec.worst <= 0.02);
-    CHECK(dec.mean <= 0.003);
-    CHECK(dec.worst_lse <= 2e-3);
+    check_attention_errors(dec);
     const Errors ext = attend(f, cache, li, ids, lengths, {8, 3});
-    CHECK(ext.finite);
-    CHECK(ext.worst <= 0.02);
-    CHECK(ext.mean <= 0.003);
-    CHECK(ext.worst_lse <= 2e-3);
+    check_attention_errors(ext);
     MESSAGE("layer " << kLayers[li] << ": decode worst " << dec.worst << " mean " << dec.mean << ", extend worst "
                      << ext.worst << " mean " << ext.mean);
   }
