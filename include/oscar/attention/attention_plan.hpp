@@ -149,6 +149,10 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
                               "segment whole pages of " + std::to_string(shape.page_size));
     }
     const int64_t length = s.sink + s.int2 + s.recent;
+    if (length > int64_t{INT32_MAX}) {
+      return invalid_argument("request " + std::to_string(b) + " has " + std::to_string(length) +
+                              " cached tokens; GPU attention supports at most 2^31 - 1 per request");
+    }
     const int64_t queries = plan.decode ? 1 : query_tokens[b];
     if (queries < 0 || queries > length || (plan.decode && length == 0)) {
       return invalid_argument("request " + std::to_string(b) + " has " + std::to_string(queries) +

@@ -40,7 +40,14 @@
 namespace oscar {
 namespace attention_detail {
 
-inline constexpr int kWarps = 8;
+// Warps per block (a tuning knob for measurements, like OSCAR_ATTENTION_MIN_BLOCKS_PER_SM
+// below: the SM's resident warps are what hide the latency of the dependent unpack -> MMA ->
+// softmax chain).
+#ifndef OSCAR_ATTENTION_WARPS
+#define OSCAR_ATTENTION_WARPS 8
+#endif
+inline constexpr int kWarps = OSCAR_ATTENTION_WARPS;
+static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps per block");
 inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kCols = kAttentionTileColumns;
 inline constexpr unsigned kFullMask = 0xffffffffu;
@@ -128,24 +135,27 @@ struct WarpState {
 };
 
 struct TileContext {
-  int64_t key_position0;  // position of the tile's first key in the request
+  int32_t key_position0;  // position of the tile's first key in the request
   int valid;              // keys of the tile inside the segment (1..16)
   bool causal;
-  int64_t q_pos[2];  // positions of this lane's two columns' queries
+  int32_t q_pos[2];  // positions of this lane's two columns' queries (INT32_MAX: none)
 };
 
 // Masks, runs the online-softmax update on this lane's scores s[token r / r+8][column], and
 // returns the probabilities in s. Rescales the warp's o and offset sums when the max moves.
 template <int D>
 OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileContext& tc, int r) {
+  // A full tile of a decode step sees every key: the mask only costs where it can bite.
+  if (tc.causal || tc.valid < kAttentionTileTokens) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = r + 8 * half;
-    const bool in_segment = row < tc.valid;
+    for (int half = 0; half < 2; ++half) {
+      const int row = r + 8 * half;
+      const bool in_segment = row < tc.valid;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const bool visible = in_segment && (!tc.causal || tc.key_position0 + row <= tc.q_pos[i]);
-      if (!visible) s[half][i] = -INFINITY;
+      for (int i = 0; i < 2; ++i) {
+        const bool visible = in_segment && (!tc.causal || tc.key_position0 + row <= tc.q_pos[i]);
+        if (!visible) s[half][i] = -INFINITY;
+      }
     }
   }
   float alpha[2];
@@ -175,24 +185,64 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
   }
 }
 
-// Where the two 8-token halves of a tile live: page slot pointers (null past the segment).
+// One request's pages of one segment, resolved once per block: the tile loops then find a
+// tile's pages with a shift and a mask (page sizes are powers of two) and one page-id load per
+// 8-token half. Token counts are int32: the plan refuses longer requests.
+struct SegmentPages {
+  const int32_t* ids = nullptr;  // the request's page ids in this segment
+  int32_t tokens = 0;
+  int32_t start = 0;  // position of the segment's first token in the request
+  int page_shift = 0;
+  int32_t page_mask = 0;
+};
+
+OSCAR_DEVICE SegmentPages segment_pages(const PageTableRef& table, int32_t request, int32_t start) {
+  SegmentPages s;
+  const int32_t first = table.indptr[request];
+  const int32_t pages = table.indptr[request + 1] - first;
+  s.ids = table.indices + first;
+  s.tokens = pages == 0 ? 0 : (pages - 1) * table.page_size + table.last_page_len[request];
+  s.start = start;
+  s.page_shift = __ffs(table.page_size) - 1;
+  s.page_mask = table.page_size - 1;
+  return s;
+}
+
+OSCAR_HOST_DEVICE constexpr int32_t tiles_of(int32_t tokens) {
+  return (tokens + kAttentionTileTokens - 1) / kAttentionTileTokens;
+}
+
+// Where the two 8-token halves of a tile live: page ids and slots (page 0 past the segment).
 struct TileHalves {
   int32_t page[2];
   int32_t slot[2];
   bool present[2];
 };
 
-OSCAR_DEVICE TileHalves locate_tile(const PageTableRef& table, int32_t request, int64_t t0, int64_t n) {
+OSCAR_DEVICE TileHalves locate_tile(const SegmentPages& s, int32_t t0) {
   TileHalves h;
-  const int32_t base = table.indptr[request];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t token = t0 + 8 * half;
-    h.present[half] = token < n;
-    h.page[half] = h.present[half] ? __ldg(table.indices + base + static_cast<int32_t>(token / table.page_size)) : 0;
-    h.slot[half] = static_cast<int32_t>(token % table.page_size);
+    const int32_t token = t0 + 8 * half;
+    h.present[half] = token < s.tokens;
+    h.page[half] = h.present[half] ? __ldg(s.ids + (token >> s.page_shift)) : 0;
+    h.slot[half] = token & s.page_mask;
   }
   return h;
+}
+
+// The INT2 blocks of one KV head: pool base plus the head's offset, hoisted out of the loop.
+struct Int2HeadBlocks {
+  const uint8_t* k;
+  const uint8_t* v;
+  int64_t k_stride_page;
+  int64_t v_stride_page;
+  int32_t meta_offset;  // bytes of codes before a block's metadata
+};
+
+OSCAR_DEVICE Int2HeadBlocks int2_head_blocks(const Int2PoolRef& kpool, const Int2PoolRef& vpool, int32_t head) {
+  return {kpool.data + head * kpool.stride_head, vpool.data + head * vpool.stride_head, kpool.stride_page,
+          vpool.stride_page, static_cast<int32_t>(kpool.layout.code_bytes())};
 }
 
 // The raw bytes one lane needs of one INT2 tile: key rows r and r+8, the metadata of those
@@ -207,51 +257,51 @@ struct Int2TileRaw {
   uint32_t kmeta[2], vmeta[2];
   uint32_t vw[4][kVWords];
   int valid;  // keys of the tile inside the segment; 0: nothing loaded
-  int64_t key_position0;
+  int32_t key_position0;
 };
 
+// Loads tile `tile` of the INT2 segment (nothing when !active). INT2 pages are always full,
+// so a half is either wholly present or wholly past the segment (page size >= 8).
 template <int D>
-OSCAR_DEVICE void load_int2_tile(Int2TileRaw<D>& raw, const PageTableRef& table, int32_t request, int64_t t0,
-                                 int64_t n, int64_t segment_start, const Int2PoolRef& kpool, const Int2PoolRef& vpool,
-                                 int32_t head, int lane) {
+OSCAR_DEVICE void load_int2_tile(Int2TileRaw<D>& raw, const SegmentPages& seg, const Int2HeadBlocks& blocks,
+                                 int32_t tile, bool active, int lane) {
   using Raw = Int2TileRaw<D>;
+  constexpr int kRowBytes = D / 4;  // codes of one token (one quantization group per row)
   const int r = lane / 4;
   const int j = lane % 4;
-  const Int2Layout& layout = kpool.layout;
-  const int64_t left = n - t0;
-  raw.valid = left <= 0 ? 0 : (left < kAttentionTileTokens ? static_cast<int>(left) : kAttentionTileTokens);
-  raw.key_position0 = segment_start + t0;
-  const TileHalves th = raw.valid > 0 ? locate_tile(table, request, t0, n) : TileHalves{{0, 0}, {0, 0}, {false, false}};
+  const int32_t t0 = tile * kAttentionTileTokens;
+  const int32_t left = active ? seg.tokens - t0 : 0;
+  raw.valid = left <= 0 ? 0 : min(left, kAttentionTileTokens);
+  raw.key_position0 = seg.start + t0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const bool key_ok = th.present[half] && r + 8 * half < raw.valid;
-    const uint8_t* kblock = kpool.block(th.page[half], head);
-    const uint8_t* vblock = vpool.block(th.page[half], head);
-    const int32_t slot = th.slot[half] + r;
-    if (key_ok) {
-      load_words(layout.codes(kblock, slot) + j * (D / 16), raw.kw[half]);
-      raw.kmeta[half] = __ldg(reinterpret_cast<const uint32_t*>(layout.meta(kblock, slot)));
-      raw.vmeta[half] = __ldg(reinterpret_cast<const uint32_t*>(layout.meta(vblock, slot)));
+    const int32_t token = t0 + 8 * half;
+    if (token - t0 < raw.valid) {
+      const int32_t page = __ldg(seg.ids + (token >> seg.page_shift));
+      const int32_t slot = token & seg.page_mask;
+      const uint8_t* kblock = blocks.k + page * blocks.k_stride_page;
+      const uint8_t* vblock = blocks.v + page * blocks.v_stride_page;
+      load_words(kblock + (slot + r) * kRowBytes + j * (D / 16), raw.kw[half]);
+      raw.kmeta[half] = __ldg(reinterpret_cast<const uint32_t*>(kblock + blocks.meta_offset) + slot + r);
+      raw.vmeta[half] = __ldg(reinterpret_cast<const uint32_t*>(vblock + blocks.meta_offset) + slot + r);
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const uint8_t* p = vblock + (slot + 2 * j + t) * kRowBytes + r * Raw::kVBytes;
+        if constexpr (Raw::kVBytes == 2) {
+          raw.vw[2 * half + t][0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+        } else {
+          load_words(p, raw.vw[2 * half + t]);
+        }
+      }
     } else {
 #pragma unroll
       for (int w = 0; w < Raw::kKWords; ++w) raw.kw[half][w] = 0;
       raw.kmeta[half] = 0;
       raw.vmeta[half] = 0;
-    }
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int row = 2 * j + t + 8 * half;
-      uint32_t* dst = raw.vw[2 * half + t];
-      if (th.present[half] && row < raw.valid) {
-        const uint8_t* p = layout.codes(vblock, th.slot[half] + 2 * j + t) + r * Raw::kVBytes;
-        if constexpr (Raw::kVBytes == 2) {
-          dst[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
-        } else {
-          load_words(p, raw.vw[2 * half + t]);
-        }
-      } else {
+      for (int t = 0; t < 2; ++t) {
 #pragma unroll
-        for (int w = 0; w < Raw::kVWords; ++w) dst[w] = 0;
+        for (int w = 0; w < Raw::kVWords; ++w) raw.vw[2 * half + t][w] = 0;
       }
     }
   }
@@ -274,21 +324,26 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], c
   const uint32_t* kmeta = raw.kmeta;
   const uint32_t* vmeta = raw.vmeta;
 
-  // Scores: one fp32 accumulator (the whole row is one quantization group).
+  // Scores (the whole row is one quantization group). Two accumulators, even and odd k-steps:
+  // a single one makes the D/16 MMAs one dependent chain (~30 cycles each), which two resident
+  // warps per scheduler cannot hide.
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int wi = 0; wi < kKWords; ++wi) {
     const uint32_t lo0 = kw[0][wi], lo1 = kw[1][wi];
     const uint32_t hi0 = lo0 >> 8, hi1 = lo1 >> 8;
-#define OSCAR_KSTEP(K)                                                                              \
+#define OSCAR_KSTEP(K, ACC)                                                                         \
   {                                                                                                 \
     const uint32_t a[4] = {unpack_field<K>(lo0), unpack_field<K>(lo1), unpack_field<K>(hi0),        \
                            unpack_field<K>(hi1)};                                                   \
-    mma_f16(acc, a, qf[wi * 4 + K][0], qf[wi * 4 + K][1]);                                          \
+    mma_f16(ACC, a, qf[wi * 4 + K][0], qf[wi * 4 + K][1]);                                          \
   }
-    OSCAR_KSTEP(0) OSCAR_KSTEP(1) OSCAR_KSTEP(2) OSCAR_KSTEP(3)
+    OSCAR_KSTEP(0, acc) OSCAR_KSTEP(1, acc_odd) OSCAR_KSTEP(2, acc) OSCAR_KSTEP(3, acc_odd)
 #undef OSCAR_KSTEP
   }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] += acc_odd[e];
   float sk[2], ok[2], sv[2], ov[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -359,6 +414,7 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
   const int r = lane / 4;
   const int j = lane % 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc_lo[4] = {0.f, 0.f, 0.f, 0.f};
   uint4 krow[2][D / 32];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -394,14 +450,14 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
     const uint4 r0 = krow[0][s / 2], r1 = krow[1][s / 2];
     const uint32_t a[4] = {s % 2 ? r0.z : r0.x, s % 2 ? r1.z : r1.x, s % 2 ? r0.w : r0.y, s % 2 ? r1.w : r1.y};
     const uint4 q = qb[s * 32];
-    mma_bf16(acc, a, q.x, q.y);
-    mma_bf16(acc, a, q.z, q.w);
+    mma_bf16(acc, a, q.x, q.y);     // q's bf16 high parts
+    mma_bf16(acc_lo, a, q.z, q.w);  // and its low parts: a second, independent MMA chain
   }
   float sc[2][2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) sc[half][i] = acc[2 * half + i] * scale2;
+    for (int i = 0; i < 2; ++i) sc[half][i] = (acc[2 * half + i] + acc_lo[2 * half + i]) * scale2;
   }
   softmax_step<D>(st, sc, tc, r);
   const uint32_t b0 = transpose8x8(pack_bf16x2(sc[0][0], sc[0][1]));
@@ -484,8 +540,11 @@ __global__ void __launch_bounds__(kThreads, OSCAR_ATTENTION_MIN_BLOCKS_PER_SM) p
   const int warp = tid / 32;
   const int g = args.group_size;
 
-  const int64_t n_seg[3] = {kv.sink.num_tokens(b_req), kv.int2.num_tokens(b_req), kv.recent.num_tokens(b_req)};
-  const int64_t length = n_seg[0] + n_seg[1] + n_seg[2];
+  // Each segment's pages resolved once (no per-tile table walks, no local arrays).
+  const SegmentPages sink = segment_pages(kv.sink, b_req, 0);
+  const SegmentPages body = segment_pages(kv.int2, b_req, sink.tokens);
+  const SegmentPages recent = segment_pages(kv.recent, b_req, sink.tokens + body.tokens);
+  const int32_t length = recent.start + recent.tokens;
   const int32_t q_begin = args.decode ? b_req : p.qo_indptr[b_req];
   const int32_t n_q = args.decode ? 1 : p.qo_indptr[b_req + 1] - q_begin;
   const int col0 = item.column_tile * kCols;
@@ -559,61 +618,53 @@ __global__ void __launch_bounds__(kThreads, OSCAR_ATTENTION_MIN_BLOCKS_PER_SM) p
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int c = 2 * j + i;
-    tc.q_pos[i] = c < valid_cols ? length - n_q + (col0 + c) / g : INT64_MAX;
+    tc.q_pos[i] = c < valid_cols ? length - n_q + (col0 + c) / g : INT32_MAX;
   }
   __syncthreads();  // q_frag ready; q_in / q_rot are dead from here (warp_o reuses them)
 
-  // 3. The chunk's tiles, every 4th one per warp.
+  // 3. The chunk's tiles, every 8th one per warp, segment by segment (tiles are numbered over
+  // the sink, INT2 and recent segments in order).
   WarpState<D> st;
 #pragma unroll
   for (int mt = 0; mt < D / 16; ++mt) st.o[mt][0] = st.o[mt][1] = st.o[mt][2] = st.o[mt][3] = 0.0f;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.0f;
   st.offset[0] = st.offset[1] = 0.0f;
-  const int64_t tiles0 = attention_tiles(n_seg[0]);
-  const int64_t tiles1 = attention_tiles(n_seg[1]);
   const float scale2 = args.scale2;
-  const int64_t seg_tile0[4] = {0, tiles0, tiles0 + tiles1, tiles0 + tiles1 + attention_tiles(n_seg[2])};
-  const int64_t seg_start[3] = {0, n_seg[0], n_seg[0] + n_seg[1]};
-  const PageTableRef* tables[3] = {&kv.sink, &kv.int2, &kv.recent};
-#pragma unroll 1
-  for (int seg = 0; seg < 3; ++seg) {
-    // This segment's part of the chunk, in the segment's own tile numbers.
-    const int64_t begin = max(int64_t{item.tile_begin}, seg_tile0[seg]) - seg_tile0[seg];
-    const int64_t end = min(int64_t{item.tile_end}, seg_tile0[seg + 1]) - seg_tile0[seg];
-    if (begin >= end) continue;
-    const PageTableRef& table = *tables[seg];
-    const int64_t n = n_seg[seg];
-    if (seg == 1) {
+  const int32_t sink_tiles = tiles_of(sink.tokens);
+  const int32_t body_tiles = tiles_of(body.tokens);
+  auto bf16_segment = [&](const SegmentPages& seg, int32_t first_tile) {
+    const int32_t begin = max(item.tile_begin - first_tile, 0);
+    const int32_t end = min(item.tile_end - first_tile, tiles_of(seg.tokens));
+    for (int32_t t = begin + warp; t < end; t += kWarps) {
+      const int32_t t0 = t * kAttentionTileTokens;
+      tc.key_position0 = seg.start + t0;
+      tc.valid = min(seg.tokens - t0, kAttentionTileTokens);
+      const TileHalves th = locate_tile(seg, t0);
+      bf16_tile<D>(st, q_frag + lane, kv.k_bf16, kv.v_bf16, head, th, tc, scale2, lane);
+    }
+  };
+  bf16_segment(sink, 0);
+  {
+    const int32_t begin = max(item.tile_begin - sink_tiles, 0);
+    const int32_t end = min(item.tile_end - sink_tiles, body_tiles);
+    if (begin < end) {
       // Two tiles in flight per warp while a third is computed.
+      const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
       Int2TileRaw<D> a, b;
-      int64_t t = begin + warp;
-      load_int2_tile<D>(a, table, b_req, t * kAttentionTileTokens, t < end ? n : 0, seg_start[1], kv.k_int2, kv.v_int2, head, lane);
-      load_int2_tile<D>(b, table, b_req, (t + kWarps) * kAttentionTileTokens, t + kWarps < end ? n : 0, seg_start[1],
-                        kv.k_int2, kv.v_int2, head, lane);
+      int32_t t = begin + warp;
+      load_int2_tile<D>(a, body, blocks, t, t < end, lane);
+      load_int2_tile<D>(b, body, blocks, t + kWarps, t + kWarps < end, lane);
       for (; t < end; t += 2 * kWarps) {
         int2_tile<D>(st, qf, qsum, a, tc, scale2, lane);
-        const int64_t ta = t + 2 * kWarps;
-        load_int2_tile<D>(a, table, b_req, ta * kAttentionTileTokens, ta < end ? n : 0, seg_start[1], kv.k_int2,
-                          kv.v_int2, head, lane);
+        load_int2_tile<D>(a, body, blocks, t + 2 * kWarps, t + 2 * kWarps < end, lane);
         if (t + kWarps >= end) break;
         int2_tile<D>(st, qf, qsum, b, tc, scale2, lane);
-        const int64_t tb = t + 3 * kWarps;
-        load_int2_tile<D>(b, table, b_req, tb * kAttentionTileTokens, tb < end ? n : 0, seg_start[1], kv.k_int2,
-                          kv.v_int2, head, lane);
-      }
-    } else {
-      for (int64_t t = begin + warp; t < end; t += kWarps) {
-        const int64_t t0 = t * kAttentionTileTokens;
-        if (t0 >= n) break;  // a plan that disagrees with the tables: nothing more to read
-        const int64_t left = n - t0;
-        tc.key_position0 = seg_start[seg] + t0;
-        tc.valid = left < kAttentionTileTokens ? static_cast<int>(left) : kAttentionTileTokens;
-        const TileHalves th = locate_tile(table, b_req, t0, n);
-        bf16_tile<D>(st, q_frag + lane, kv.k_bf16, kv.v_bf16, head, th, tc, scale2, lane);
+        load_int2_tile<D>(b, body, blocks, t + 3 * kWarps, t + 3 * kWarps < end, lane);
       }
     }
   }
+  bf16_segment(recent, sink_tiles + body_tiles);
 
   // 4. Merge the warps: sums over the 8 lanes of a column, then across warps in smem.
 #pragma unroll
