@@ -76,6 +76,14 @@ OSCAR_DEVICE uint32_t unpack_field(uint32_t w) {
   return half2_bits(__hfma2(bits_half2(magic), scale, bias));  // exact: the result is c
 }
 
+// 2^x on the SFU, subnormal results flushed to 0 (exp2f adds a range reduction for them,
+// ~6 instructions per call; a probability below 2^-126 of the running max adds nothing).
+OSCAR_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 OSCAR_DEVICE void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -108,6 +116,24 @@ OSCAR_DEVICE void load_words(const void* p, uint32_t (&w)[kWords]) {
   } else {
     static_assert(kWords == 4);
     const uint4 v = __ldg(static_cast<const uint4*>(p));
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+  }
+}
+
+template <int kWords>
+OSCAR_DEVICE void load_shared_words(const void* p, uint32_t (&w)[kWords]) {
+  if constexpr (kWords == 1) {
+    w[0] = *static_cast<const uint32_t*>(p);
+  } else if constexpr (kWords == 2) {
+    const uint2 v = *static_cast<const uint2*>(p);
+    w[0] = v.x;
+    w[1] = v.y;
+  } else {
+    static_assert(kWords == 4);
+    const uint4 v = *static_cast<const uint4*>(p);
     w[0] = v.x;
     w[1] = v.y;
     w[2] = v.z;
@@ -166,10 +192,12 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
     tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 8));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 16));
     const float m_new = fmaxf(st.m[i], tile_max);
-    const bool empty = m_new == -INFINITY;
-    alpha[i] = empty ? 1.0f : exp2f(st.m[i] - m_new);
-    s[0][i] = empty ? 0.0f : exp2f(s[0][i] - m_new);
-    s[1][i] = empty ? 0.0f : exp2f(s[1][i] - m_new);
+    // While every key so far is masked (m = -inf), subtract 0 instead: exp2(-inf) = 0 gives
+    // p = 0 and alpha = 0 on the still-empty sums, with no special case per element.
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    alpha[i] = fast_exp2(st.m[i] - m_use);
+    s[0][i] = fast_exp2(s[0][i] - m_use);
+    s[1][i] = fast_exp2(s[1][i] - m_use);
     st.m[i] = m_new;
     st.l[i] = st.l[i] * alpha[i] + s[0][i] + s[1][i];
     st.offset[i] *= alpha[i];
@@ -294,6 +322,139 @@ OSCAR_DEVICE void load_int2_tile(Int2TileRaw<D>& raw, const SegmentPages& seg, c
         }
       }
     } else {
+#pragma unroll
+      for (int w = 0; w < Raw::kKWords; ++w) raw.kw[half][w] = 0;
+      raw.kmeta[half] = 0;
+      raw.vmeta[half] = 0;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int w = 0; w < Raw::kVWords; ++w) raw.vw[2 * half + t][w] = 0;
+      }
+    }
+  }
+}
+
+// ---- INT2 tiles staged through shared memory -------------------------------------------------
+// A tile's bytes are a few contiguous runs in the pages (per 8-token half: 8 rows of codes and
+// 8 metadata words, for K and for V), so a warp copies them with 16-byte cp.async into a
+// per-warp stage and reads its fragments from there: a handful of copies and shared loads per
+// lane instead of ten dependent global loads with their 64-bit address arithmetic, and the
+// bytes in flight wait in shared memory rather than in registers.
+inline constexpr int kInt2Stages = 4;  // tiles per warp in flight or being computed
+
+// Stage layout: K codes [16][D/4], V codes [16][D/4], K meta [16] words, V meta [16] words.
+template <int D>
+struct Int2Stage {
+  static constexpr int kRowBytes = D / 4;
+  static constexpr int kCodes = 16 * kRowBytes;
+  static constexpr int kVCodes = kCodes;
+  static constexpr int kKMeta = 2 * kCodes;
+  static constexpr int kVMeta = kKMeta + 64;
+  static constexpr int kBytes = kVMeta + 64;
+  static constexpr int kCodeChunksPerHalf = 8 * kRowBytes / 16;  // 16-byte chunks of 8 rows
+  static constexpr int kCodeChunks = 4 * kCodeChunksPerHalf;     // K/V x two halves
+  // 8 lanes per half-region, chunks 128 bytes apart.
+  static_assert(kCodeChunks % 32 == 0 && kCodeChunksPerHalf % 8 == 0, "whole chunks per lane");
+};
+
+OSCAR_DEVICE uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+OSCAR_DEVICE void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+OSCAR_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+OSCAR_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Which run of a tile this lane copies, fixed for the whole loop: lane l copies region l / 8
+// (K half 0, K half 1, V half 0, V half 1) at chunks l % 8 + 8i, and lanes with l % 8 < 2 also
+// that region's 32 bytes of metadata. So a lane needs one page id and one block address per
+// tile, and its chunks are compile-time offsets from it.
+template <int D>
+struct Int2CopyLane {
+  const uint8_t* pool;   // the K or V pool of this lane's region, at the block's head
+  int64_t stride_page;
+  int32_t half;          // 0 or 1
+  int32_t code_src;      // byte offset of the first chunk from the token's codes
+  uint32_t code_dst;     // shared address of the first chunk in stage 0
+  uint32_t meta_dst;     // shared address of the metadata chunk in stage 0 (lanes with l % 8 < 2)
+  int32_t meta_src;      // meta_offset + 16 * (l % 8)
+  bool copies_meta;
+};
+
+template <int D>
+OSCAR_DEVICE Int2CopyLane<D> int2_copy_lane(const Int2HeadBlocks& blocks, uint32_t stages, int lane) {
+  using S = Int2Stage<D>;
+  const int region = lane / 8, idx = lane % 8;
+  const int tensor = region >> 1;
+  Int2CopyLane<D> c;
+  c.pool = tensor == 0 ? blocks.k : blocks.v;
+  c.stride_page = tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page;
+  c.half = region & 1;
+  c.code_src = idx * 16;
+  c.code_dst = stages + tensor * S::kCodes + c.half * 8 * S::kRowBytes + idx * 16;
+  c.copies_meta = idx < 2;
+  c.meta_dst = stages + S::kKMeta + tensor * 64 + c.half * 32 + (idx & 1) * 16;
+  c.meta_src = blocks.meta_offset + (idx & 1) * 16;
+  return c;
+}
+
+// The page id of this lane's half of `tile` (-1: past the segment or not active), loaded a
+// tile ahead of its copies.
+template <int D>
+OSCAR_DEVICE int32_t copy_page(const SegmentPages& seg, const Int2CopyLane<D>& c, int32_t tile, bool active) {
+  const int32_t token = tile * kAttentionTileTokens + 8 * c.half;
+  return active && token < seg.tokens ? __ldg(seg.ids + (token >> seg.page_shift)) : -1;
+}
+
+// Issues this lane's copies of one tile into stage `stage` and commits a group (an empty one
+// for an absent tile, so the group count stays in step with the tiles).
+template <int D>
+OSCAR_DEVICE void issue_int2_tile(const Int2CopyLane<D>& c, const SegmentPages& seg, int32_t tile, int32_t page,
+                                  int stage) {
+  using S = Int2Stage<D>;
+  if (page >= 0) {
+    const int32_t slot = (tile * kAttentionTileTokens + 8 * c.half) & seg.page_mask;
+    const uint8_t* block = c.pool + page * c.stride_page;
+    const uint8_t* src = block + slot * S::kRowBytes + c.code_src;
+    const uint32_t dst = c.code_dst + stage * S::kBytes;
+#pragma unroll
+    for (int i = 0; i < S::kCodeChunks / 32; ++i) cp_async16(dst + 128 * i, src + 128 * i);
+    if (c.copies_meta) cp_async16(c.meta_dst + stage * S::kBytes, block + c.meta_src + slot * 4);
+  }
+  cp_async_commit();
+}
+
+// This lane's fragments of a staged tile (the registers int2_tile consumes).
+template <int D>
+OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const unsigned char* stage, const SegmentPages& seg,
+                                 int32_t tile, int lane) {
+  using Raw = Int2TileRaw<D>;
+  using S = Int2Stage<D>;
+  const int r = lane / 4;
+  const int j = lane % 4;
+  const int32_t t0 = tile * kAttentionTileTokens;
+  raw.valid = min(seg.tokens - t0, kAttentionTileTokens);
+  raw.key_position0 = seg.start + t0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (half == 0 || raw.valid > 8) {  // the first half of a loaded tile is always there
+      load_shared_words(stage + (8 * half + r) * S::kRowBytes + j * (D / 16), raw.kw[half]);
+      raw.kmeta[half] = *reinterpret_cast<const uint32_t*>(stage + S::kKMeta + 4 * (8 * half + r));
+      raw.vmeta[half] = *reinterpret_cast<const uint32_t*>(stage + S::kVMeta + 4 * (8 * half + r));
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const unsigned char* p = stage + S::kVCodes + (8 * half + 2 * j + t) * S::kRowBytes + r * Raw::kVBytes;
+        if constexpr (Raw::kVBytes == 2) {
+          raw.vw[2 * half + t][0] = *reinterpret_cast<const unsigned short*>(p);
+        } else {
+          load_shared_words(p, raw.vw[2 * half + t]);
+        }
+      }
+    } else {
+      // Past the segment: zero metadata, so p = 0 meets a zero scale (no 0 * garbage = NaN).
 #pragma unroll
       for (int w = 0; w < Raw::kKWords; ++w) raw.kw[half][w] = 0;
       raw.kmeta[half] = 0;
@@ -487,8 +648,9 @@ struct SharedLayout {
   static constexpr size_t q_in = 0;                                    // float [8][D]
   static constexpr size_t q_rot = q_in + sizeof(float) * kCols * D;    // float [8][D]
   static constexpr size_t warp_o = 0;                                  // float [warps][8][D]
-  static constexpr size_t region_a =
-      sizeof(float) * kCols * D * (2 > kWarps ? 2 : kWarps);
+  static constexpr size_t int2_stages = 0;  // [warps][kInt2Stages][Int2Stage<D>::kBytes], the loop only
+  static constexpr size_t stage_bytes = size_t{kWarps} * kInt2Stages * Int2Stage<D>::kBytes;
+  static constexpr size_t region_a = std::max(sizeof(float) * kCols * D * (2 > kWarps ? 2 : kWarps), stage_bytes);
   static constexpr size_t q_frag = region_a;                           // uint4 [D/16][32]
   static constexpr size_t final_o = q_frag + sizeof(uint4) * (D / 16) * 32;  // float [8][D]
   static constexpr size_t stats = final_o + sizeof(float) * kCols * D;       // float [3][warps][8] + [8]
@@ -649,19 +811,30 @@ __global__ void __launch_bounds__(kThreads, OSCAR_ATTENTION_MIN_BLOCKS_PER_SM) p
     const int32_t begin = max(item.tile_begin - sink_tiles, 0);
     const int32_t end = min(item.tile_end - sink_tiles, body_tiles);
     if (begin < end) {
-      // Two tiles in flight per warp while a third is computed.
+      // kInt2Stages tiles per warp: wait for the oldest, compute it, refill its stage.
       const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
-      Int2TileRaw<D> a, b;
-      int32_t t = begin + warp;
-      load_int2_tile<D>(a, body, blocks, t, t < end, lane);
-      load_int2_tile<D>(b, body, blocks, t + kWarps, t + kWarps < end, lane);
-      for (; t < end; t += 2 * kWarps) {
-        int2_tile<D>(st, qf, qsum, a, tc, scale2, lane);
-        load_int2_tile<D>(a, body, blocks, t + 2 * kWarps, t + 2 * kWarps < end, lane);
-        if (t + kWarps >= end) break;
-        int2_tile<D>(st, qf, qsum, b, tc, scale2, lane);
-        load_int2_tile<D>(b, body, blocks, t + 3 * kWarps, t + 3 * kWarps < end, lane);
+      unsigned char* stages = smem + L::int2_stages + warp * (kInt2Stages * Int2Stage<D>::kBytes);
+      const Int2CopyLane<D> copy = int2_copy_lane<D>(blocks, smem_address(stages), lane);
+      int32_t next = begin + warp;  // the next tile to issue
+#pragma unroll
+      for (int k = 0; k < kInt2Stages; ++k, next += kWarps) {
+        issue_int2_tile<D>(copy, body, next, copy_page<D>(body, copy, next, next < end), k);
       }
+      int32_t next_page = copy_page<D>(body, copy, next, next < end);
+      int stage = 0;
+      Int2TileRaw<D> raw;
+      for (int32_t t = begin + warp; t < end; t += kWarps) {
+        cp_async_wait<kInt2Stages - 1>();
+        __syncwarp();  // every lane's copies of this tile are visible
+        read_int2_tile<D>(raw, stages + stage * Int2Stage<D>::kBytes, body, t, lane);
+        __syncwarp();  // every lane has read the stage before it is refilled
+        issue_int2_tile<D>(copy, body, next, next_page, stage);
+        next += kWarps;
+        next_page = copy_page<D>(body, copy, next, next < end);
+        stage = stage + 1 == kInt2Stages ? 0 : stage + 1;
+        int2_tile<D>(st, qf, qsum, raw, tc, scale2, lane);
+      }
+      cp_async_wait<0>();  // no copy may land after the stages are reused below
     }
   }
   bf16_segment(recent, sink_tiles + body_tiles);
@@ -683,6 +856,7 @@ __global__ void __launch_bounds__(kThreads, OSCAR_ATTENTION_MIN_BLOCKS_PER_SM) p
       warp_off[warp * kCols + 2 * j + i] = st.offset[i];
     }
   }
+  __syncthreads();  // every warp is done with its INT2 stages, which warp_o overlays
   float* my_o = warp_o + warp * kCols * D;
 #pragma unroll
   for (int mt = 0; mt < D / 16; ++mt) {
