@@ -3,6 +3,7 @@
 // more tokens than BF16 ones); bad shapes and lengths are refused with a clear message.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "oscar/attention/attention_plan.hpp"
@@ -85,6 +86,30 @@ TEST_CASE("chunks are sized in bytes: an INT2 chunk holds ~7x the tokens of a BF
   const double ratio = double(d->items.size()) / double(c->items.size());
   CHECK(ratio > 5.0);
   CHECK(ratio < 8.0);
+}
+
+TEST_CASE("a batch of equal requests fills at most one wave of the target blocks") {
+  for (const int32_t blocks_per_sm : {1, 2, 3, 4}) {
+    AttentionPlanOptions options;
+    options.num_sms = 132;
+    options.target_blocks_per_sm = blocks_per_sm;
+    for (const int batch : {1, 16, 64}) {
+      const std::vector<SegmentCounts> lengths(batch, SegmentCounts{64, 32768, 256});
+      auto plan = make_attention_plan(headline(), lengths, {}, options);
+      REQUIRE(plan.ok());
+      check_cover(*plan, lengths, {});
+      CAPTURE(blocks_per_sm);
+      CAPTURE(batch);
+      const int64_t blocks = int64_t(plan->items.size()) * headline().num_kv_heads;
+      // One wave, unless every request needs its own block anyway.
+      CHECK(blocks <= std::max<int64_t>(int64_t{options.num_sms} * blocks_per_sm, batch * headline().num_kv_heads));
+      // And the blocks of that wave are mostly used (at least two thirds of it), as far as the
+      // cap of kMaxAttentionChunks chunks per request allows.
+      const int64_t usable = std::min<int64_t>(int64_t{options.num_sms} * blocks_per_sm,
+                                               int64_t{batch} * headline().num_kv_heads * kMaxAttentionChunks);
+      CHECK(3 * blocks >= 2 * usable);
+    }
+  }
 }
 
 TEST_CASE("bad shapes and lengths are refused") {

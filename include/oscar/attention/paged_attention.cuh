@@ -40,15 +40,27 @@
 namespace oscar {
 namespace attention_detail {
 
-// Warps per block (a tuning knob for measurements, like OSCAR_ATTENTION_MIN_BLOCKS_PER_SM
-// below: the SM's resident warps are what hide the latency of the dependent unpack -> MMA ->
-// softmax chain).
-#ifndef OSCAR_ATTENTION_WARPS
-#define OSCAR_ATTENTION_WARPS 8
+// The launch shape per head dim: warps per block and the blocks per SM the register
+// allocation must leave room for. The SM's resident warps hide the latency of the dependent
+// unpack -> MMA -> softmax chain, so smaller blocks that fit more often win where registers
+// allow (H200, docs/benchmarks.md). OSCAR_ATTENTION_WARPS / OSCAR_ATTENTION_MIN_BLOCKS_PER_SM
+// override both for every head dim (measurement knobs).
+template <int D>
+struct KernelConfig {
+#ifdef OSCAR_ATTENTION_WARPS
+  static constexpr int kWarps = OSCAR_ATTENTION_WARPS;
+#else
+  static constexpr int kWarps = D == 256 ? 8 : 4;
 #endif
-inline constexpr int kWarps = OSCAR_ATTENTION_WARPS;
-static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps per block");
-inline constexpr int kThreads = kWarps * 32;
+#ifdef OSCAR_ATTENTION_MIN_BLOCKS_PER_SM
+  static constexpr int kMinBlocks = OSCAR_ATTENTION_MIN_BLOCKS_PER_SM;
+#else
+  // d = 64: 128 registers, no spills; d = 128: 168 registers; d = 256 needs all 255.
+  static constexpr int kMinBlocks = D == 64 ? 4 : (D == 128 ? 3 : 1);
+#endif
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps per block");
+};
 inline constexpr int kCols = kAttentionTileColumns;
 inline constexpr unsigned kFullMask = 0xffffffffu;
 inline constexpr float kLog2e = 1.4426950408889634f;
@@ -645,6 +657,7 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
 // so the warps' partial outputs reuse them.
 template <int D>
 struct SharedLayout {
+  static constexpr int kWarps = KernelConfig<D>::kWarps;
   static constexpr size_t q_in = 0;                                    // float [8][D]
   static constexpr size_t q_rot = q_in + sizeof(float) * kCols * D;    // float [8][D]
   static constexpr size_t warp_o = 0;                                  // float [warps][8][D]
@@ -669,14 +682,11 @@ struct KernelArgs {
   bool decode;
 };
 
-// Blocks per SM the compiler must fit in registers (a tuning knob: 2 caps registers at 128,
-// which spills at d = 128/256; measured in docs/benchmarks.md).
-#ifndef OSCAR_ATTENTION_MIN_BLOCKS_PER_SM
-#define OSCAR_ATTENTION_MIN_BLOCKS_PER_SM 1
-#endif
-
 template <int D>
-__global__ void __launch_bounds__(kThreads, OSCAR_ATTENTION_MIN_BLOCKS_PER_SM) paged_attention_kernel(const KernelArgs args) {
+__global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kMinBlocks)
+    paged_attention_kernel(const KernelArgs args) {
+  constexpr int kWarps = KernelConfig<D>::kWarps;
+  constexpr int kThreads = KernelConfig<D>::kThreads;
   using L = SharedLayout<D>;
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_in = reinterpret_cast<float*>(smem + L::q_in);
@@ -1044,7 +1054,8 @@ inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_d
     OSCAR_RETURN_IF_ERROR(cuda_status(
         cudaFuncSetAttribute(paged_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
         "attention_plan_options_for_device: shared memory attribute"));
-    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, paged_attention_kernel<D>, kThreads, smem),
+    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, paged_attention_kernel<D>,
+                                                                     KernelConfig<D>::kThreads, smem),
                        "attention_plan_options_for_device: occupancy");
   }));
   options.target_blocks_per_sm = std::max(1, resident);
@@ -1131,7 +1142,7 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
         cudaFuncSetAttribute(paged_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
         "paged_attention: shared memory attribute"));
     const dim3 grid(static_cast<unsigned>(plan.items.size()), static_cast<unsigned>(shape.num_kv_heads));
-    paged_attention_kernel<D><<<grid, kThreads, smem, stream>>>(args);
+    paged_attention_kernel<D><<<grid, KernelConfig<D>::kThreads, smem, stream>>>(args);
     return cuda_status(cudaGetLastError(), "paged_attention launch");
   });
 }
