@@ -88,6 +88,16 @@ OSCAR_DEVICE uint32_t unpack_field(uint32_t w) {
   return half2_bits(__hfma2(bits_half2(magic), scale, bias));  // exact: the result is c
 }
 
+// Codes of field k as two fp16 values 1024 + 4^k·c, exact, in one LOP3: the key MMAs take
+// them as they are, with q prescaled by 4^-k and the 1024·Σq' they add removed through the
+// accumulator's initial value (int2_tile), which saves the HFMA2 of unpack_field.
+template <int k>
+OSCAR_DEVICE uint32_t unpack_field_biased(uint32_t w) {
+  uint32_t magic;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(magic) : "r"(w), "r"(0x00030003u << (2 * k)), "r"(0x64006400u));
+  return magic;
+}
+
 // 2^x on the SFU, subnormal results flushed to 0 (exp2f adds a range reduction for them,
 // ~6 instructions per call; a probability below 2^-126 of the running max adds nothing).
 OSCAR_DEVICE float fast_exp2(float x) {
@@ -196,25 +206,30 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
       }
     }
   }
-  float alpha[2];
+  // Lazy running max (as in FlashAttention-4): the max only moves when a score passes it by
+  // more than kMaxGrowth (log2 units), so p = 2^(s - m) <= 2^8 stays exact in fp32 and far
+  // from fp16 overflow in p * scale. Most tiles then cost one vote instead of three shuffle
+  // rounds, two exponentials and a rescale of o.
+  constexpr float kMaxGrowth = 8.0f;
+  const bool grow = s[0][0] > st.m[0] + kMaxGrowth || s[1][0] > st.m[0] + kMaxGrowth ||
+                    s[0][1] > st.m[1] + kMaxGrowth || s[1][1] > st.m[1] + kMaxGrowth;
+  if (__any_sync(kFullMask, grow)) {
+    float alpha[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float tile_max = fmaxf(s[0][i], s[1][i]);
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 4));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 8));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 16));
-    const float m_new = fmaxf(st.m[i], tile_max);
-    // While every key so far is masked (m = -inf), subtract 0 instead: exp2(-inf) = 0 gives
-    // p = 0 and alpha = 0 on the still-empty sums, with no special case per element.
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    alpha[i] = fast_exp2(st.m[i] - m_use);
-    s[0][i] = fast_exp2(s[0][i] - m_use);
-    s[1][i] = fast_exp2(s[1][i] - m_use);
-    st.m[i] = m_new;
-    st.l[i] = st.l[i] * alpha[i] + s[0][i] + s[1][i];
-    st.offset[i] *= alpha[i];
-  }
-  if (__any_sync(kFullMask, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+    for (int i = 0; i < 2; ++i) {
+      float tile_max = fmaxf(s[0][i], s[1][i]);
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 4));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 8));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 16));
+      const float m_new = fmaxf(st.m[i], tile_max);
+      // While every key so far is masked (m = -inf), subtract 0 instead: exp2(-inf) = 0 gives
+      // p = 0 and alpha = 0 on the still-empty sums, with no special case per element.
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[i] = fast_exp2(st.m[i] - m_use);
+      st.m[i] = m_new;
+      st.l[i] *= alpha[i];
+      st.offset[i] *= alpha[i];
+    }
 #pragma unroll
     for (int mt = 0; mt < D / 16; ++mt) {
       st.o[mt][0] *= alpha[0];
@@ -222,6 +237,14 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
       st.o[mt][2] *= alpha[0];
       st.o[mt][3] *= alpha[1];
     }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    // m = -inf here means every key so far is masked, and so is every key of this tile.
+    const float m_use = st.m[i] == -INFINITY ? 0.0f : st.m[i];
+    s[0][i] = fast_exp2(s[0][i] - m_use);
+    s[1][i] = fast_exp2(s[1][i] - m_use);
+    st.l[i] += s[0][i] + s[1][i];
   }
 }
 
@@ -483,6 +506,7 @@ OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const unsigned char* stage
 // Scores, softmax and values of one loaded INT2 tile.
 template <int D>
 OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], const float (&qsum)[2],
+                            const float (&key_bias)[2],
                             const Int2TileRaw<D>& raw, TileContext& tc, float scale2, int lane) {
   using Raw = Int2TileRaw<D>;
   constexpr int kKWords = Raw::kKWords;
@@ -499,8 +523,9 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], c
 
   // Scores (the whole row is one quantization group). Two accumulators, even and odd k-steps:
   // a single one makes the D/16 MMAs one dependent chain (~30 cycles each), which two resident
-  // warps per scheduler cannot hide.
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // warps per scheduler cannot hide. The codes enter as 1024 + 4^k·c against q·4^-k, so acc
+  // starts at -1024·Σq' of its column (key_bias) to leave exactly Σ q·c.
+  float acc[4] = {-key_bias[0], -key_bias[1], -key_bias[0], -key_bias[1]};
   float acc_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int wi = 0; wi < kKWords; ++wi) {
@@ -508,8 +533,8 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], c
     const uint32_t hi0 = lo0 >> 8, hi1 = lo1 >> 8;
 #define OSCAR_KSTEP(K, ACC)                                                                         \
   {                                                                                                 \
-    const uint32_t a[4] = {unpack_field<K>(lo0), unpack_field<K>(lo1), unpack_field<K>(hi0),        \
-                           unpack_field<K>(hi1)};                                                   \
+    const uint32_t a[4] = {unpack_field_biased<K>(lo0), unpack_field_biased<K>(lo1),                \
+                           unpack_field_biased<K>(hi0), unpack_field_biased<K>(hi1)};               \
     mma_f16(ACC, a, qf[wi * 4 + K][0], qf[wi * 4 + K][1]);                                          \
   }
     OSCAR_KSTEP(0, acc) OSCAR_KSTEP(1, acc_odd) OSCAR_KSTEP(2, acc) OSCAR_KSTEP(3, acc_odd)
@@ -761,8 +786,24 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     const int wi = s / 4, k = s % 4;
     const int ch = j * (D / 16) + 4 * wi + k * (D / 4);
     const float* qn = q_basis + r * D;  // column n = lane/4
-    qf[s][0] = pack_half2(qn[ch + 0], qn[ch + 2]);
-    qf[s][1] = pack_half2(qn[ch + 1], qn[ch + 3]);
+    const float inv = 1.0f / float(1 << (2 * k));  // k-step s meets code field k (exact scaling)
+    qf[s][0] = pack_half2(qn[ch + 0] * inv, qn[ch + 2] * inv);
+    qf[s][1] = pack_half2(qn[ch + 1] * inv, qn[ch + 3] * inv);
+  }
+  // 1024·Σ q' over column r's fp16 fragments (this lane's channels, then its 4 lanes), then
+  // fetched for this lane's accumulator columns 2j, 2j+1.
+  float key_bias[2];
+  {
+    float part = 0.0f;
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {
+      const float2 a = __half22float2(bits_half2(qf[s][0])), b = __half22float2(bits_half2(qf[s][1]));
+      part += (a.x + a.y) + (b.x + b.y);
+    }
+    part += __shfl_xor_sync(kFullMask, part, 1);
+    part += __shfl_xor_sync(kFullMask, part, 2);
+    key_bias[0] = 1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j));
+    key_bias[1] = 1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j + 1));
   }
   float qsum[2];
 #pragma unroll
@@ -842,7 +883,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
         next += kWarps;
         next_page = copy_page<D>(body, copy, next, next < end);
         stage = stage + 1 == kInt2Stages ? 0 : stage + 1;
-        int2_tile<D>(st, qf, qsum, raw, tc, scale2, lane);
+        int2_tile<D>(st, qf, qsum, key_bias, raw, tc, scale2, lane);
       }
       cp_async_wait<0>();  // no copy may land after the stages are reused below
     }
