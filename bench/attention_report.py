@@ -19,7 +19,7 @@ UNITS = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9}
 def load_bench(path):
     """Google Benchmark's console output (it survives a run cut short, unlike its JSON)."""
     rows = {}
-    line_re = re.compile(r"^(\S+)/manual_time\s+([0-9.]+) us\s.*?GB/s=([0-9.]+)([kMG]?)/s bytes=([0-9.]+)([kMG]?)")
+    line_re = re.compile(r"^(\S+)/manual_time\s+([0-9.]+) us\s.*?GB/s=([0-9.]+)([kMG]?)/s.*?bytes=([0-9.]+)([kMG]?)")
     with open(path) as f:
         for line in f:
             m = line_re.match(line)
