@@ -75,7 +75,7 @@ TEST_CASE("chunks are sized in bytes: an INT2 chunk holds ~7x the tokens of a BF
   CHECK(a->items.size() == b->items.size());
   // ...and at a fixed chunk size in bytes, 512/72 = 7.1x fewer INT2 chunks.
   AttentionPlanOptions fixed = options;
-  // 32 MB of BF16 K+V / 1 MB = 32 chunks: at the kMaxAttentionChunks cap, not above it, so the
+  // 32 MB of BF16 K+V / 1 MB = 32 chunks: below the kMaxAttentionChunks cap, so the
   // byte size alone decides; 4.7 MB of INT2 pages make 5 chunks.
   fixed.min_chunk_bytes = 1 << 20;
   fixed.target_blocks_per_sm = 8;
@@ -104,9 +104,14 @@ TEST_CASE("a batch of equal requests fills at most one wave of the target blocks
       // One wave, unless every request needs its own block anyway.
       CHECK(blocks <= std::max<int64_t>(int64_t{options.num_sms} * blocks_per_sm, batch * headline().num_kv_heads));
       // And the blocks of that wave are mostly used (at least two thirds of it), as far as the
-      // cap of kMaxAttentionChunks chunks per request allows.
+      // cap of kMaxAttentionChunks chunks per request and the shortest chunk allow.
+      const int64_t request_bytes = attention_tiles(64) * attention_tile_bytes(headline(), false) +
+                                    attention_tiles(32768) * attention_tile_bytes(headline(), true) +
+                                    attention_tiles(256) * attention_tile_bytes(headline(), false);
+      const int64_t chunks_per_request =
+          std::min<int64_t>(kMaxAttentionChunks, std::max<int64_t>(1, request_bytes / options.min_chunk_bytes));
       const int64_t usable = std::min<int64_t>(int64_t{options.num_sms} * blocks_per_sm,
-                                               int64_t{batch} * headline().num_kv_heads * kMaxAttentionChunks);
+                                               int64_t{batch} * headline().num_kv_heads * chunks_per_request);
       CHECK(3 * blocks >= 2 * usable);
     }
   }
