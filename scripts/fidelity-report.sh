@@ -26,7 +26,6 @@ long_ctx="${LONG_CTX:-8192}"
 e2e_long_ctx="${E2E_LONG_CTX:-4096 8192}"
 attention="${ATTENTION:-blocked}"
 threads="${THREADS:-1}"
-all_methods=bf16,int4,int2-naive,kivi,int2-hadamard,oscar,oscar-fit
 geometry=(--sink 64 --recent 256 --page-size 16)
 
 if [[ "${1:-}" != "--doc-only" ]]; then
@@ -46,28 +45,25 @@ if [[ "${1:-}" != "--doc-only" ]]; then
     "$exe" perplexity --text "$work/evaluation.txt" --ctx "$1" --cache "$3" "${plan[@]}" \
       "${geometry[@]}" --chunk "$2" --attention "$attention" --threads "$threads" --no-progress
   }
-  (
-    log "per-layer fidelity at 2048 tokens"
-    "$exe" fidelity --text "$work/evaluation.txt" --ctx 2048 --plan "$work/plan.safetensors" "${geometry[@]}" \
-      --threads "$threads" --no-progress > "$results/fidelity-2048.txt"
-    log "per-layer fidelity at $long_ctx tokens"
-    "$exe" fidelity --text "$work/evaluation.txt" --ctx "$long_ctx" --plan "$work/plan.safetensors" "${geometry[@]}" \
-      --threads "$threads" --no-progress > "$results/fidelity-$long_ctx.txt"
-  ) &
-  chain=$!
-  log "end to end at 2048 tokens, token by token, all methods in lockstep"
-  perplexity 2048 1 "$all_methods" > "$results/e2e-2048.txt"
-  wait "$chain"
-  # The long contexts extend 16 tokens per step (each chunk sits inside the BF16 window, so
-  # every token still reads all earlier ones through its cache), as two lockstep runs side by
-  # side, each with its own bf16 reference for the KL; the bf16 lines must agree.
+  log "per-layer fidelity at 2048 and $long_ctx tokens"
+  "$exe" fidelity --text "$work/evaluation.txt" --ctx 2048 --plan "$work/plan.safetensors" "${geometry[@]}" \
+    --threads "$threads" --no-progress > "$results/fidelity-2048.txt" &
+  first=$!
+  "$exe" fidelity --text "$work/evaluation.txt" --ctx "$long_ctx" --plan "$work/plan.safetensors" "${geometry[@]}" \
+    --threads "$threads" --no-progress > "$results/fidelity-$long_ctx.txt"
+  wait "$first"
+  # End to end: 2048 tokens token by token (decode), the long contexts extending 16 tokens per
+  # step (each chunk sits inside the BF16 window, so every token still reads all earlier ones
+  # through its cache). Each context runs as two lockstep runs side by side, each with its own
+  # bf16 reference for the KL; merge-e2e.sh checks that their bf16 lines agree.
   part_a=bf16,int4,int2-naive,kivi
   part_b=bf16,int2-hadamard,oscar,oscar-fit
-  for ctx in $e2e_long_ctx; do
-    log "end to end at $ctx tokens, extend in chunks of 16: $part_a | $part_b"
-    perplexity "$ctx" 16 "$part_a" > "$work/e2e-$ctx.a.txt" &
+  for ctx_chunk in 2048:1 $(for c in $e2e_long_ctx; do echo "$c:16"; done); do
+    ctx=${ctx_chunk%:*} chunk=${ctx_chunk#*:}
+    log "end to end at $ctx tokens, $chunk token(s) per step: $part_a | $part_b"
+    perplexity "$ctx" "$chunk" "$part_a" > "$work/e2e-$ctx.a.txt" &
     first=$!
-    perplexity "$ctx" 16 "$part_b" > "$work/e2e-$ctx.b.txt"
+    perplexity "$ctx" "$chunk" "$part_b" > "$work/e2e-$ctx.b.txt"
     wait "$first"
     scripts/merge-e2e.sh "$work/e2e-$ctx.a.txt" "$work/e2e-$ctx.b.txt" > "$results/e2e-$ctx.txt"
   done
