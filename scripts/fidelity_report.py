@@ -339,6 +339,71 @@ def main():
                      f"{r['rho_v']:.2f} | {r['jk']:.3f} | {r['jv']:.3f} |")
         L.append("")
 
+    # The same contexts with the scalar reference attention (the results before the blocked path).
+    ref_dir = os.path.join(os.path.dirname(a.results.rstrip("/")), "reference-attention")
+    ref_files = sorted(glob.glob(os.path.join(ref_dir, "e2e-*.txt")), key=context_of)
+    pairs = [(p, os.path.join(a.results, os.path.basename(p))) for p in ref_files]
+    pairs = [(r, b) for r, b in pairs if os.path.exists(b)]
+    if pairs:
+        sim = [(read_e2e(r).get(m, {}).get("perplexity"), read_e2e(b).get(m, {}).get("perplexity"))
+               for r, b in pairs for m in ("int4", "kivi")]
+        sim_same = all(x == y for x, y in sim if x is not None and y is not None)
+        L.append("## Blocked vs reference CPU attention")
+        L.append("")
+        L.append("The tables above use the blocked CPU attention; `docs/fidelity/reference-attention/` holds the same "
+                 "runs with the scalar reference (`--attention reference`), from before the blocked path existed. "
+                 "The two agree up to float32 summation order, checked per call against a derived bound in "
+                 "`tests/host/test_attention_blocked.cpp`. End to end, such last-bit differences are amplified: each "
+                 "layer's attention output feeds the next layer's K and V, which are rounded to bf16 and, outside the "
+                 "sink and window, quantized to 2 bits, so a few elements land on the other side of a rounding "
+                 "boundary and the caches hold slightly different rows from then on. The simulated caches (int4, "
+                 "kivi) do not use the paged attention: their perplexities must agree to every digit, and "
+                 + ("they do." if sim_same else "they DO NOT: the runs differ in something besides the attention path."))
+        L.append("")
+        L.append("| context | cache | perplexity (reference) | perplexity (blocked) | KL (reference) | KL (blocked) |")
+        L.append("|---|---|---|---|---|---|")
+        rankings = []
+        for ref_path, blk_path in pairs:
+            ref, blk = read_e2e(ref_path), read_e2e(blk_path)
+            for m in METHODS:
+                if m in ref and m in blk:
+                    L.append(f"| {context_of(ref_path)} | {m} | {ref[m]['perplexity']:.6f} | {blk[m]['perplexity']:.6f} | "
+                             f"{ref[m]['kl']:.6f} | {blk[m]['kl']:.6f} |")
+            common = [m for m in ref if m != "bf16" and m in blk]
+            rank_ref = sorted(common, key=lambda m: ref[m]["kl"])
+            rank_blk = sorted(common, key=lambda m: blk[m]["kl"])
+            worst = max((abs(blk[m]["perplexity"] / ref[m]["perplexity"] - 1), m) for m in common + ["bf16"]
+                        if m in ref and m in blk)
+            rankings.append(f"at {context_of(ref_path)} tokens the KL ranking is "
+                            + ("the same with both paths" if rank_ref == rank_blk else
+                               f"{' < '.join(rank_ref)} with the reference but {' < '.join(rank_blk)} blocked")
+                            + f", and the largest perplexity change is {100 * worst[0]:.2f}% ({worst[1]})")
+        L.append("")
+        L.append("In short: " + "; ".join(rankings) + ".")
+        L.append("")
+        control = os.path.join(ref_dir, "control-1024.txt")
+        if os.path.exists(control):
+            runs = {}
+            label = None
+            for line in open(control):
+                if line.startswith("# run "):
+                    label = line[len("# run "):].strip()
+                elif line.startswith("cache=") and label:
+                    kv = parse_kv(line)
+                    runs.setdefault(label, {})[kv["cache"]] = {k: float(v) for k, v in kv.items() if k != "cache"}
+            if runs:
+                L.append("How large such differences are without any change of method: the same 1024 tokens, extend in "
+                         "chunks of 16, with the reference and with the blocked path at three block sizes (the block "
+                         "size changes nothing but the float32 summation order; `docs/fidelity/reference-attention/"
+                         "control-1024.txt`):")
+                L.append("")
+                caches = [m for m in METHODS if all(m in r for r in runs.values())]
+                L.append("| attention | " + " | ".join(f"{m} perplexity | {m} KL" for m in caches) + " |")
+                L.append("|---|" + "---|---|" * len(caches))
+                for lab, r in runs.items():
+                    L.append(f"| {lab} | " + " | ".join(f"{r[m]['perplexity']:.6f} | {r[m]['kl']:.6f}" for m in caches) + " |")
+                L.append("")
+
     L.append("## What was run, and what was not")
     L.append("")
     # What ran end to end, from the result files.

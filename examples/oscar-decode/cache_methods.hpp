@@ -53,12 +53,14 @@ struct CacheOptions {
   // reference (--attention reference; the same numbers up to float32 summation order).
   bool reference_attention = false;
   int32_t attention_threads = 1;
+  int32_t attention_block = 64;  // keys per block of the blocked path
 };
 
 inline host::AttentionOptions attention_options(const CacheOptions& options) {
   if (options.reference_attention) return {};
   host::BlockedAttentionOptions blocked;
   blocked.num_threads = options.attention_threads;
+  blocked.block_tokens = options.attention_block;
   return {.path = host::blocked_attention(blocked)};
 }
 

@@ -138,6 +138,8 @@ void print_help() {
       "  --attention PATH      paged-cache attention: blocked (default: per KV head and key block,\n"
       "                        rows dequantized once, matrix products) or reference (the scalar\n"
       "                        CPU oracle of the GPU kernels; same results up to float32 rounding)\n"
+      "  --attention-block N   keys per block of the blocked attention (default 64; changes only\n"
+      "                        float32 summation order)\n"
       "  --no-progress         no progress bar on stderr\n"
       "  --help                this text\n",
       kDefaultModelName, kCacheMethodList);
@@ -155,7 +157,7 @@ struct Options {
   std::string prompt = "What is the capital of France?";
   std::string prompt2;
   std::string attention = "blocked";
-  int64_t sink = -1, recent = -1, page_size = 16, ctx = -1, chunk = 1, max_new_tokens = -1, threads = 1;
+  int64_t sink = -1, recent = -1, page_size = 16, ctx = -1, chunk = 1, max_new_tokens = -1, threads = 1, attention_block = 64;
   int64_t calib_tokens = 16384, held_out_tokens = 1024, queries = 128;
   bool raw = false;
   bool progress = true;
@@ -192,6 +194,7 @@ std::string parse_args(int argc, char** argv, Options& o) {
                                           {"--chunk", &o.chunk},
                                           {"--max-new-tokens", &o.max_new_tokens},
                                           {"--threads", &o.threads},
+                                          {"--attention-block", &o.attention_block},
                                           {"--calib-tokens", &o.calib_tokens},
                                           {"--held-out-tokens", &o.held_out_tokens},
                                           {"--queries", &o.queries}};
@@ -239,6 +242,7 @@ std::string parse_args(int argc, char** argv, Options& o) {
   if (o.mode.empty()) return "no mode given (generate, perplexity, calibrate, dump, share or fidelity)";
   if (o.chunk <= 0) return "--chunk must be positive";
   if (o.threads <= 0) return "--threads must be positive";
+  if (o.attention_block <= 0 || o.attention_block > (1 << 20)) return "--attention-block must be in 1..1048576";
   if (o.attention != "blocked" && o.attention != "reference") {
     return "--attention must be blocked or reference, got '" + o.attention + "'";
   }
@@ -335,6 +339,7 @@ Result<std::unique_ptr<KvCache>> build_cache(const std::string& name, const Opti
   co.page_size = static_cast<int32_t>(o.page_size);
   co.reference_attention = o.attention == "reference";
   co.attention_threads = static_cast<int32_t>(o.threads);
+  co.attention_block = static_cast<int32_t>(o.attention_block);
   auto cache = make_cache(*method, config, co, plans.plan ? &*plans.plan : nullptr);
   if (!cache.ok()) {
     const std::string where = needs_plan(*method) ? "--cache " + name + " --plan " + o.plan : "--cache " + name;
@@ -677,6 +682,7 @@ int run_share(const Options& o, const Model& m, const Plans& plans) {
   CacheOptions co{capacity, o.sink_or(0), o.recent_or(0), static_cast<int32_t>(o.page_size)};
   co.reference_attention = o.attention == "reference";
   co.attention_threads = static_cast<int32_t>(o.threads);
+  co.attention_block = static_cast<int32_t>(o.attention_block);
   if (*method == CacheMethod::kBf16) {
     co.sink_tokens = static_cast<int32_t>(capacity);
     co.recent_tokens = 0;
