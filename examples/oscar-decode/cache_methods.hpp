@@ -49,7 +49,20 @@ struct CacheOptions {
   int32_t sink_tokens = 0;
   int32_t recent_tokens = 0;
   int32_t page_size = 16;
+  // The paged cache's attention: the blocked fast path with this many threads, or the scalar
+  // reference (--attention reference; the same numbers up to float32 summation order).
+  bool reference_attention = false;
+  int32_t attention_threads = 1;
+  int32_t attention_block = 64;  // keys per block of the blocked path
 };
+
+inline host::AttentionOptions attention_options(const CacheOptions& options) {
+  if (options.reference_attention) return {};
+  host::BlockedAttentionOptions blocked;
+  blocked.num_threads = options.attention_threads;
+  blocked.block_tokens = options.attention_block;
+  return {.path = host::blocked_attention(blocked)};
+}
 
 inline std::vector<host::LayerQuantizer> identity_quantizers(int32_t num_layers) {
   return std::vector<host::LayerQuantizer>(static_cast<size_t>(num_layers));
@@ -99,6 +112,7 @@ inline Result<std::unique_ptr<KvCache>> make_quantized_cache(const LlamaConfig& 
   auto cache = PagedKvCache::create(model, options.capacity, options.sink_tokens, options.recent_tokens,
                                     options.page_size, std::move(layers));
   if (!cache.ok()) return cache.status();
+  (*cache)->set_attention(attention_options(options));
   return std::unique_ptr<KvCache>(std::move(*cache));
 }
 

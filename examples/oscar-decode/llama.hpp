@@ -33,6 +33,7 @@
 #include "gguf.hpp"
 #include "oscar/core/numeric.hpp"
 #include "oscar/core/status.hpp"
+#include "oscar/host/attention_blocked.hpp"
 #include "oscar/host/paged_cache.hpp"
 #include "oscar/quant/format.hpp"
 
@@ -277,10 +278,25 @@ class PagedKvCache final : public KvCache {
   }
   Status attend(int32_t layer, const float* q, float* out) override {
     const host::RequestId requests[1] = {request_};
-    if (step_ == 1) return cache_.decode(layer, requests, q, out, nullptr);
-    const int32_t counts[1] = {step_};
-    return cache_.extend(layer, requests, counts, q, out, nullptr);
+    // The attention products are small (a few dozen query rows × one key block): Eigen's
+    // OpenMP threads, set by --threads for the model's matrix products, would only add
+    // fork/join overhead to each, or oversubscribe the cores when the blocked path runs its
+    // own threads. Single-threaded Eigen for the call; the path parallelizes if asked to.
+    const int eigen_threads = Eigen::nbThreads();
+    Eigen::setNbThreads(1);
+    Status status;
+    if (step_ == 1) {
+      status = cache_.decode(layer, requests, q, out, nullptr, attention_);
+    } else {
+      const int32_t counts[1] = {step_};
+      status = cache_.extend(layer, requests, counts, q, out, nullptr, attention_);
+    }
+    Eigen::setNbThreads(eigen_threads);
+    return status;
   }
+  // The attention path of decode/extend: by default the blocked one (host/attention_blocked.hpp),
+  // single-threaded; AttentionOptions{} runs the scalar reference.
+  void set_attention(host::AttentionOptions options) { attention_ = std::move(options); }
   Status end_step() override {
     step_ = 0;
     lengths_[request_] = length_;
@@ -304,6 +320,7 @@ class PagedKvCache final : public KvCache {
   int32_t step_ = 0;
   std::map<host::RequestId, int64_t> lengths_;  // every live request's length
   std::vector<bf16_t> k_bf16_, v_bf16_;
+  host::AttentionOptions attention_{.path = host::blocked_attention()};
 };
 
 // ---- forward ------------------------------------------------------------------------------

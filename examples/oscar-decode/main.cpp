@@ -133,7 +133,13 @@ void print_help() {
       "  --prompt2 TEXT        share: the second prompt (default: the first with another question)\n"
       "  --raw                 generate/share: use the prompts as is, without the chat template\n"
       "  --max-new-tokens N    generate/share: tokens to produce at most (default 64; share 16)\n"
-      "  --threads N           threads for Eigen's matrix products (default 1)\n"
+      "  --threads N           threads for Eigen's matrix products and the paged cache's attention\n"
+      "                        (default 1)\n"
+      "  --attention PATH      paged-cache attention: blocked (default: per KV head and key block,\n"
+      "                        rows dequantized once, matrix products) or reference (the scalar\n"
+      "                        CPU oracle of the GPU kernels; same results up to float32 rounding)\n"
+      "  --attention-block N   keys per block of the blocked attention (default 64; changes only\n"
+      "                        float32 summation order)\n"
       "  --no-progress         no progress bar on stderr\n"
       "  --help                this text\n",
       kDefaultModelName, kCacheMethodList);
@@ -150,7 +156,8 @@ struct Options {
   std::string methods;
   std::string prompt = "What is the capital of France?";
   std::string prompt2;
-  int64_t sink = -1, recent = -1, page_size = 16, ctx = -1, chunk = 1, max_new_tokens = -1, threads = 1;
+  std::string attention = "blocked";
+  int64_t sink = -1, recent = -1, page_size = 16, ctx = -1, chunk = 1, max_new_tokens = -1, threads = 1, attention_block = 64;
   int64_t calib_tokens = 16384, held_out_tokens = 1024, queries = 128;
   bool raw = false;
   bool progress = true;
@@ -179,7 +186,7 @@ std::string parse_args(int argc, char** argv, Options& o) {
   std::map<std::string, std::string*> strings = {
       {"--model", &o.model}, {"--cache", &o.cache},   {"--plan", &o.plan},       {"--text", &o.text},
       {"--out", &o.out},     {"--layers", &o.layers}, {"--methods", &o.methods}, {"--prompt", &o.prompt},
-      {"--prompt2", &o.prompt2}};
+      {"--prompt2", &o.prompt2}, {"--attention", &o.attention}};
   std::map<std::string, int64_t*> ints = {{"--sink", &o.sink},
                                           {"--recent", &o.recent},
                                           {"--page-size", &o.page_size},
@@ -187,6 +194,7 @@ std::string parse_args(int argc, char** argv, Options& o) {
                                           {"--chunk", &o.chunk},
                                           {"--max-new-tokens", &o.max_new_tokens},
                                           {"--threads", &o.threads},
+                                          {"--attention-block", &o.attention_block},
                                           {"--calib-tokens", &o.calib_tokens},
                                           {"--held-out-tokens", &o.held_out_tokens},
                                           {"--queries", &o.queries}};
@@ -234,6 +242,10 @@ std::string parse_args(int argc, char** argv, Options& o) {
   if (o.mode.empty()) return "no mode given (generate, perplexity, calibrate, dump, share or fidelity)";
   if (o.chunk <= 0) return "--chunk must be positive";
   if (o.threads <= 0) return "--threads must be positive";
+  if (o.attention_block <= 0 || o.attention_block > (1 << 20)) return "--attention-block must be in 1..1048576";
+  if (o.attention != "blocked" && o.attention != "reference") {
+    return "--attention must be blocked or reference, got '" + o.attention + "'";
+  }
   if (o.ctx == 0 || o.ctx < -1) return "--ctx must be positive";
   if (o.calib_tokens <= 0 || o.held_out_tokens <= 0 || o.queries <= 0) {
     return "--calib-tokens, --held-out-tokens and --queries must be positive";
@@ -325,6 +337,9 @@ Result<std::unique_ptr<KvCache>> build_cache(const std::string& name, const Opti
   co.sink_tokens = o.sink_or(0);
   co.recent_tokens = o.recent_or(0);
   co.page_size = static_cast<int32_t>(o.page_size);
+  co.reference_attention = o.attention == "reference";
+  co.attention_threads = static_cast<int32_t>(o.threads);
+  co.attention_block = static_cast<int32_t>(o.attention_block);
   auto cache = make_cache(*method, config, co, plans.plan ? &*plans.plan : nullptr);
   if (!cache.ok()) {
     const std::string where = needs_plan(*method) ? "--cache " + name + " --plan " + o.plan : "--cache " + name;
@@ -665,6 +680,9 @@ int run_share(const Options& o, const Model& m, const Plans& plans) {
   }
   std::vector<oscar::host::LayerQuantizer> layers;
   CacheOptions co{capacity, o.sink_or(0), o.recent_or(0), static_cast<int32_t>(o.page_size)};
+  co.reference_attention = o.attention == "reference";
+  co.attention_threads = static_cast<int32_t>(o.threads);
+  co.attention_block = static_cast<int32_t>(o.attention_block);
   if (*method == CacheMethod::kBf16) {
     co.sink_tokens = static_cast<int32_t>(capacity);
     co.recent_tokens = 0;
@@ -681,6 +699,7 @@ int run_share(const Options& o, const Model& m, const Plans& plans) {
   auto cache = PagedKvCache::create(c, capacity, co.sink_tokens, co.recent_tokens, co.page_size, std::move(layers), 2);
   if (!cache.ok()) return fail(cache.status());
   PagedKvCache& kv = **cache;
+  kv.set_attention(attention_options(co));
   const oscar::host::RequestId first = kv.active_request();
   auto run = [&](const std::vector<int32_t>& ids, size_t from) -> Result<RowMatrix> {
     return forward(m.weights, kv, std::vector<int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(from), ids.end()), true);

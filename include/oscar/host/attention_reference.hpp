@@ -86,12 +86,12 @@ struct SegmentReader {
 
 }  // namespace detail
 
-inline Status attention_reference(const AttentionParams& params) {
+// The argument checks of every CPU attention path (attention_reference, attention_blocked):
+// one function, so that both reject the same inputs with the same messages.
+inline Status validate(const AttentionParams& params) {
   OSCAR_RETURN_IF_ERROR(validate(params.kv));
   const PagedKvRef& kv = params.kv;
   const int32_t num_kv_heads = kv.k_int2.num_kv_heads;
-  const int head_dim = kv.k_int2.layout.head_dim;
-  const int quant_group_size = kv.k_int2.layout.quant_group_size;
   if (params.num_qo_heads <= 0 || params.num_qo_heads % num_kv_heads != 0) {
     return invalid_argument("num_qo_heads " + std::to_string(params.num_qo_heads) +
                             " is not a positive multiple of num_kv_heads " +
@@ -113,6 +113,16 @@ inline Status attention_reference(const AttentionParams& params) {
       }
     }
   }
+  return Status::Ok();
+}
+
+inline Status attention_reference(const AttentionParams& params) {
+  OSCAR_RETURN_IF_ERROR(validate(params));
+  const PagedKvRef& kv = params.kv;
+  const int32_t num_kv_heads = kv.k_int2.num_kv_heads;
+  const int head_dim = kv.k_int2.layout.head_dim;
+  const int quant_group_size = kv.k_int2.layout.quant_group_size;
+  const int32_t batch = kv.batch_size();
 
   const int group_size = params.num_qo_heads / num_kv_heads;
   const float sm_scale =

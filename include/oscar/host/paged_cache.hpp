@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -70,6 +71,11 @@ struct AttentionOptions {
   bool output_rotated = false;  // leave the output multiplied by R_V (R_Vᵀ folded into W_O)
   float sm_scale = 0.0f;        // 0: 1/sqrt(head_dim)
   int32_t split_tokens = 512;   // keys per partial state (split-KV)
+  // The CPU attention path decode() and extend() run; empty: attention_reference, the scalar
+  // oracle of the GPU kernels. blocked_attention() (host/attention_blocked.hpp) gives the
+  // fast path with the same contract. A hook rather than an include: the blocked path needs
+  // Eigen, and this header is also compiled by nvcc for the GPU tests, which must not.
+  std::function<Status(const AttentionParams&)> path;
 };
 
 // The slots of one append step. The same mapping drives a GPU write kernel.
@@ -657,7 +663,7 @@ class PagedCache {
     params.split_tokens = options.split_tokens;
     params.out = out;
     params.lse = lse;
-    return attention_reference(params);
+    return options.path ? options.path(params) : attention_reference(params);
   }
 
   void quantize_bf16_row(const bf16_t* in, const Int2PoolRef& pool, int32_t page, int32_t head,
