@@ -30,7 +30,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "oscar/attention/attention_plan.hpp"
 #include "oscar/attention/paged_attention_params.hpp"
@@ -127,40 +129,21 @@ OSCAR_DEVICE uint32_t transpose8x8(uint32_t x) {
   return y;
 }
 
-template <int kWords>
+// kWords 32-bit words at p in one 4/8/16-byte load: through the read-only data path for
+// global memory (kGlobal), a plain load for shared memory.
+template <bool kGlobal, int kWords>
 OSCAR_DEVICE void load_words(const void* p, uint32_t (&w)[kWords]) {
-  if constexpr (kWords == 1) {
-    w[0] = __ldg(static_cast<const uint32_t*>(p));
-  } else if constexpr (kWords == 2) {
-    const uint2 v = __ldg(static_cast<const uint2*>(p));
-    w[0] = v.x;
-    w[1] = v.y;
+  static_assert(kWords == 1 || kWords == 2 || kWords == 4);
+  using Vec = std::conditional_t<kWords == 1, uint32_t, std::conditional_t<kWords == 2, uint2, uint4>>;
+  const Vec* vp = static_cast<const Vec*>(p);
+  Vec v;
+  if constexpr (kGlobal) {
+    v = __ldg(vp);
   } else {
-    static_assert(kWords == 4);
-    const uint4 v = __ldg(static_cast<const uint4*>(p));
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
+    v = *vp;
   }
-}
-
-template <int kWords>
-OSCAR_DEVICE void load_shared_words(const void* p, uint32_t (&w)[kWords]) {
-  if constexpr (kWords == 1) {
-    w[0] = *static_cast<const uint32_t*>(p);
-  } else if constexpr (kWords == 2) {
-    const uint2 v = *static_cast<const uint2*>(p);
-    w[0] = v.x;
-    w[1] = v.y;
-  } else {
-    static_assert(kWords == 4);
-    const uint4 v = *static_cast<const uint4*>(p);
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
-  }
+  static_assert(sizeof(v) == sizeof(w));
+  memcpy(w, &v, sizeof(w));
 }
 
 // ---- the channel order of the value fragments -----------------------------------------------
@@ -257,22 +240,19 @@ struct SegmentPages {
   int32_t start = 0;  // position of the segment's first token in the request
   int page_shift = 0;
   int32_t page_mask = 0;
+
+  OSCAR_DEVICE int32_t page_id(int32_t token) const { return __ldg(ids + (token >> page_shift)); }
+  OSCAR_DEVICE int32_t slot(int32_t token) const { return token & page_mask; }
 };
 
 OSCAR_DEVICE SegmentPages segment_pages(const PageTableRef& table, int32_t request, int32_t start) {
   SegmentPages s;
-  const int32_t first = table.indptr[request];
-  const int32_t pages = table.indptr[request + 1] - first;
-  s.ids = table.indices + first;
-  s.tokens = pages == 0 ? 0 : (pages - 1) * table.page_size + table.last_page_len[request];
+  s.ids = table.indices + table.indptr[request];
+  s.tokens = static_cast<int32_t>(table.num_tokens(request));
   s.start = start;
   s.page_shift = __ffs(table.page_size) - 1;
   s.page_mask = table.page_size - 1;
   return s;
-}
-
-OSCAR_HOST_DEVICE constexpr int32_t tiles_of(int32_t tokens) {
-  return (tokens + kAttentionTileTokens - 1) / kAttentionTileTokens;
 }
 
 // Where the two 8-token halves of a tile live: page ids and slots (page 0 past the segment).
@@ -288,8 +268,8 @@ OSCAR_DEVICE TileHalves locate_tile(const SegmentPages& s, int32_t t0) {
   for (int half = 0; half < 2; ++half) {
     const int32_t token = t0 + 8 * half;
     h.present[half] = token < s.tokens;
-    h.page[half] = h.present[half] ? __ldg(s.ids + (token >> s.page_shift)) : 0;
-    h.slot[half] = token & s.page_mask;
+    h.page[half] = h.present[half] ? s.page_id(token) : 0;
+    h.slot[half] = s.slot(token);
   }
   return h;
 }
@@ -308,9 +288,8 @@ OSCAR_DEVICE Int2HeadBlocks int2_head_blocks(const Int2PoolRef& kpool, const Int
           vpool.stride_page, static_cast<int32_t>(kpool.layout.code_bytes())};
 }
 
-// The raw bytes one lane needs of one INT2 tile: key rows r and r+8, the metadata of those
-// tokens, value rows 2j, 2j+1, 2j+8, 2j+9. Loaded one or two tiles ahead of their use, so
-// every warp keeps several tiles' loads in flight (the kernel is bound by bytes in flight).
+// The fragments one lane reads of one staged INT2 tile (read_int2_tile): key rows r and r+8,
+// the metadata of those tokens, value rows 2j, 2j+1, 2j+8, 2j+9.
 template <int D>
 struct Int2TileRaw {
   static constexpr int kKWords = D / 64;  // key words per lane per token
@@ -322,53 +301,6 @@ struct Int2TileRaw {
   int valid;  // keys of the tile inside the segment; 0: nothing loaded
   int32_t key_position0;
 };
-
-// Loads tile `tile` of the INT2 segment (nothing when !active). INT2 pages are always full,
-// so a half is either wholly present or wholly past the segment (page size >= 8).
-template <int D>
-OSCAR_DEVICE void load_int2_tile(Int2TileRaw<D>& raw, const SegmentPages& seg, const Int2HeadBlocks& blocks,
-                                 int32_t tile, bool active, int lane) {
-  using Raw = Int2TileRaw<D>;
-  constexpr int kRowBytes = D / 4;  // codes of one token (one quantization group per row)
-  const int r = lane / 4;
-  const int j = lane % 4;
-  const int32_t t0 = tile * kAttentionTileTokens;
-  const int32_t left = active ? seg.tokens - t0 : 0;
-  raw.valid = left <= 0 ? 0 : min(left, kAttentionTileTokens);
-  raw.key_position0 = seg.start + t0;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int32_t token = t0 + 8 * half;
-    if (token - t0 < raw.valid) {
-      const int32_t page = __ldg(seg.ids + (token >> seg.page_shift));
-      const int32_t slot = token & seg.page_mask;
-      const uint8_t* kblock = blocks.k + page * blocks.k_stride_page;
-      const uint8_t* vblock = blocks.v + page * blocks.v_stride_page;
-      load_words(kblock + (slot + r) * kRowBytes + j * (D / 16), raw.kw[half]);
-      raw.kmeta[half] = __ldg(reinterpret_cast<const uint32_t*>(kblock + blocks.meta_offset) + slot + r);
-      raw.vmeta[half] = __ldg(reinterpret_cast<const uint32_t*>(vblock + blocks.meta_offset) + slot + r);
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const uint8_t* p = vblock + (slot + 2 * j + t) * kRowBytes + r * Raw::kVBytes;
-        if constexpr (Raw::kVBytes == 2) {
-          raw.vw[2 * half + t][0] = __ldg(reinterpret_cast<const unsigned short*>(p));
-        } else {
-          load_words(p, raw.vw[2 * half + t]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int w = 0; w < Raw::kKWords; ++w) raw.kw[half][w] = 0;
-      raw.kmeta[half] = 0;
-      raw.vmeta[half] = 0;
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-#pragma unroll
-        for (int w = 0; w < Raw::kVWords; ++w) raw.vw[2 * half + t][w] = 0;
-      }
-    }
-  }
-}
 
 // ---- INT2 tiles staged through shared memory -------------------------------------------------
 // A tile's bytes are a few contiguous runs in the pages (per 8-token half: 8 rows of codes and
@@ -441,7 +373,7 @@ OSCAR_DEVICE Int2CopyLane<D> int2_copy_lane(const Int2HeadBlocks& blocks, uint32
 template <int D>
 OSCAR_DEVICE int32_t copy_page(const SegmentPages& seg, const Int2CopyLane<D>& c, int32_t tile, bool active) {
   const int32_t token = tile * kAttentionTileTokens + 8 * c.half;
-  return active && token < seg.tokens ? __ldg(seg.ids + (token >> seg.page_shift)) : -1;
+  return active && token < seg.tokens ? seg.page_id(token) : -1;
 }
 
 // Issues this lane's copies of one tile into stage `stage` and commits a group (an empty one
@@ -451,7 +383,7 @@ OSCAR_DEVICE void issue_int2_tile(const Int2CopyLane<D>& c, const SegmentPages& 
                                   int stage) {
   using S = Int2Stage<D>;
   if (page >= 0) {
-    const int32_t slot = (tile * kAttentionTileTokens + 8 * c.half) & seg.page_mask;
+    const int32_t slot = seg.slot(tile * kAttentionTileTokens + 8 * c.half);
     const uint8_t* block = c.pool + page * c.stride_page;
     const uint8_t* src = block + slot * S::kRowBytes + c.code_src;
     const uint32_t dst = c.code_dst + stage * S::kBytes;
@@ -480,7 +412,7 @@ OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const unsigned char* stage
   // Both halves read unconditionally: an absent half's metadata was zeroed at issue.
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    load_shared_words(stage + (8 * half + r) * S::kRowBytes + j * (D / 16), raw.kw[half]);
+    load_words<false>(stage + (8 * half + r) * S::kRowBytes + j * (D / 16), raw.kw[half]);
     raw.kmeta[half] = *reinterpret_cast<const uint32_t*>(stage + S::kKMeta + 4 * (8 * half + r));
     raw.vmeta[half] = *reinterpret_cast<const uint32_t*>(stage + S::kVMeta + 4 * (8 * half + r));
 #pragma unroll
@@ -489,7 +421,7 @@ OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const unsigned char* stage
       if constexpr (Raw::kVBytes == 2) {
         raw.vw[2 * half + t][0] = *reinterpret_cast<const unsigned short*>(p);
       } else {
-        load_shared_words(p, raw.vw[2 * half + t]);
+        load_words<false>(p, raw.vw[2 * half + t]);
       }
     }
   }
@@ -627,7 +559,7 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         if (ok) {
-          load_words(row + r * (D / 32) + k * (D / 4), vw[2 * half + t][k]);
+          load_words<true>(row + r * (D / 32) + k * (D / 4), vw[2 * half + t][k]);
         } else {
 #pragma unroll
           for (int w = 0; w < kVWords; ++w) vw[2 * half + t][k][w] = 0;
@@ -836,11 +768,16 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   st.l[0] = st.l[1] = 0.0f;
   st.offset[0] = st.offset[1] = 0.0f;
   const float scale2 = args.scale2;
-  const int32_t sink_tiles = tiles_of(sink.tokens);
-  const int32_t body_tiles = tiles_of(body.tokens);
+  const int32_t sink_tiles = static_cast<int32_t>(attention_tiles(sink.tokens));
+  const int32_t body_tiles = static_cast<int32_t>(attention_tiles(body.tokens));
+  // The chunk's part of a segment whose tiles start at first_tile, in its own tile numbers.
+  auto chunk_tiles = [&](const SegmentPages& seg, int32_t first_tile, int32_t& begin, int32_t& end) {
+    begin = max(item.tile_begin - first_tile, 0);
+    end = min(item.tile_end - first_tile, static_cast<int32_t>(attention_tiles(seg.tokens)));
+  };
   auto bf16_segment = [&](const SegmentPages& seg, int32_t first_tile) {
-    const int32_t begin = max(item.tile_begin - first_tile, 0);
-    const int32_t end = min(item.tile_end - first_tile, tiles_of(seg.tokens));
+    int32_t begin, end;
+    chunk_tiles(seg, first_tile, begin, end);
     for (int32_t t = begin + warp; t < end; t += kWarps) {
       const int32_t t0 = t * kAttentionTileTokens;
       tc.key_position0 = seg.start + t0;
@@ -851,8 +788,8 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   };
   bf16_segment(sink, 0);
   {
-    const int32_t begin = max(item.tile_begin - sink_tiles, 0);
-    const int32_t end = min(item.tile_end - sink_tiles, body_tiles);
+    int32_t begin, end;
+    chunk_tiles(body, sink_tiles, begin, end);
     if (begin < end) {
       // kInt2Stages tiles per warp: wait for the oldest, compute it, refill its stage.
       const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
