@@ -21,7 +21,7 @@ void check_cover(const AttentionPlan& plan, const std::vector<SegmentCounts>& le
     const int64_t tiles = attention_tiles(lengths[b].sink) + attention_tiles(lengths[b].int2) +
                           attention_tiles(lengths[b].recent);
     const int64_t q = queries.empty() ? 1 : queries[b];
-    const int64_t column_tiles = (q * plan.shape.group_size() + 7) / 8;
+    const int64_t column_tiles = (q * plan.shape.group_size() + plan.tile_columns - 1) / plan.tile_columns;
     for (int64_t c = 0; c < column_tiles; ++c) {
       REQUIRE(i < plan.items.size());
       const AttentionWorkItem first = plan.items[i];
@@ -36,7 +36,8 @@ void check_cover(const AttentionPlan& plan, const std::vector<SegmentCounts>& le
         CHECK(item.tile_end > item.tile_begin);
         CHECK(item.num_chunks == first.num_chunks);
         CHECK(item.counter == first.counter);
-        CHECK((item.counter >= 0) == (first.num_chunks > 1));
+        // Row-tiled plans merge in a second launch: no arrival counters.
+        CHECK((item.counter >= 0) == (first.num_chunks > 1 && !plan.row_tiled()));
         end = item.tile_end;
       }
       CHECK(end == tiles);
@@ -61,6 +62,34 @@ TEST_CASE("chunks cover every tile once, in order") {
   REQUIRE(extend.ok());
   CHECK(!extend->decode);
   check_cover(*extend, lengths, queries);
+  // 28 rows in one request: the row-tiled kernel's 64-row tiles, one per request, and room
+  // for the rotated queries (13 tokens x 32 heads x 128 floats).
+  CHECK(extend->row_tiled());
+  CHECK(extend->tile_columns == kAttentionRowTile);
+  CHECK(extend->num_query_tokens == 13);
+  CHECK(extend->num_counters == 0);
+  CHECK(extend->rotated_q_bytes() >= size_t{13} * 32 * 128 * sizeof(float));
+
+  // At most 8 rows per request (2 tokens x 4 heads), d = 256, or the option off: the decode
+  // kernel's 8-column tiles.
+  const std::vector<int32_t> two = {1, 2, 2, 1};
+  auto small = make_attention_plan(headline(), lengths, two);
+  REQUIRE(small.ok());
+  CHECK(!small->row_tiled());
+  CHECK(small->rotated_q_bytes() == 0);
+  check_cover(*small, lengths, two);
+  AttentionShape wide = headline();
+  wide.head_dim = wide.quant_group_size = 256;
+  auto d256 = make_attention_plan(wide, lengths, queries);
+  REQUIRE(d256.ok());
+  CHECK(!d256->row_tiled());
+  check_cover(*d256, lengths, queries);
+  AttentionPlanOptions columns;
+  columns.row_tiled_extend = false;
+  auto off = make_attention_plan(headline(), lengths, queries, columns);
+  REQUIRE(off.ok());
+  CHECK(off->tile_columns == kAttentionTileColumns);
+  check_cover(*off, lengths, queries);
 }
 
 TEST_CASE("chunks are sized in bytes: an INT2 chunk holds ~7x the tokens of a BF16 chunk") {

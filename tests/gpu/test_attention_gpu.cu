@@ -222,8 +222,14 @@ TEST_CASE("forked requests read the shared prefix pages") {
 }
 
 TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the prompt") {
-  for (const Shape& s : {Shape{128, 32, 8, 16, 16, 32}, Shape{64, 9, 3, 8, 4, 16}}) {
+  // Plans with more than 8 rows (query tokens x group) in a request run the row-tiled extend
+  // kernel at d <= 128 (64 rows per block); d = 256 and row_tiled_extend = false run the decode
+  // kernel's 8-column tiles. A window shorter than the 40 new tokens puts queries' own keys in
+  // INT2 pages, so the causal mask bites inside staged INT2 tiles too.
+  for (const Shape& s : {Shape{128, 32, 8, 16, 16, 32}, Shape{64, 9, 3, 8, 4, 16}, Shape{128, 16, 2, 32, 0, 16},
+                         Shape{256, 8, 2, 16, 16, 32}}) {
     CAPTURE(s.d);
+    CAPTURE(s.hq);
     PagedCache cache = make_cache(config_for(s, 1400, 3), true, 41);
     RowGenerator keys(42, s.d), values(43, s.d), qgen(44, s.d);
     auto ids = fill(cache, {600, 17, 1200}, 45);
@@ -232,10 +238,14 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     const std::vector<int32_t> n_new = {5, 1, 40};
     for (size_t b = 0; b < ids.size(); ++b) append_in_chunks(cache, ids[b], n_new[b], {n_new[b]}, keys, values);
     check(run_and_compare(cache, ids, n_new, qgen, true));
+    check(run_and_compare(cache, ids, n_new, qgen, false));  // q rotated by the engine
     AttentionPlanOptions many;
     many.min_chunk_bytes = 1;
     many.target_blocks_per_sm = 64;
     check(run_and_compare(cache, ids, n_new, qgen, true, many));
+    AttentionPlanOptions columns = many;
+    columns.row_tiled_extend = false;
+    check(run_and_compare(cache, ids, n_new, qgen, true, columns));
   }
 }
 

@@ -28,6 +28,10 @@ inline constexpr int kAttentionTileTokens = 16;
 // One column tile: this many (query token, query head) columns share one pass over the keys
 // (the N dimension of one MMA). A decode step of a GQA group of up to 8 heads is one tile.
 inline constexpr int kAttentionTileColumns = 8;
+// Extend plans with more rows than one column tile (rows = query tokens x GQA group) run the
+// row-tiled extend kernel instead: 64 rows per block, queries in the MMA's M dimension, so a
+// block unpacks each key tile once for all its rows (extend_attention.cuh). Head dims <= 128.
+inline constexpr int kAttentionRowTile = 64;
 
 struct AttentionShape {
   int32_t num_qo_heads = 0;
@@ -48,6 +52,9 @@ struct AttentionPlanOptions {
   // pipeline's fill cost more than they save (H200, B = 1, d = 128, 32K: 48 chunks of 49 KB
   // took 52 us where 32 chunks took 48 us).
   int64_t min_chunk_bytes = 64 * 1024;
+  // Extend plans with more than kAttentionTileColumns rows in some request run on the
+  // row-tiled extend kernel (false: on the decode kernel's 8-column tiles, as before it).
+  bool row_tiled_extend = true;
 };
 
 inline constexpr int32_t kDefaultTargetBlocksPerSm = 2;
@@ -60,7 +67,7 @@ inline constexpr int32_t kMaxAttentionChunks = 64;
 // INT2 tiles, then ceil(recent/16) recent tiles.
 struct AttentionWorkItem {
   int32_t request = 0;
-  int32_t column_tile = 0;  // columns [8*column_tile, 8*column_tile + 8) of the request
+  int32_t column_tile = 0;  // columns [w*column_tile, w*column_tile + w) of the request, w = plan.tile_columns
   int32_t tile_begin = 0;
   int32_t tile_end = 0;
   int32_t first_item = 0;   // the first chunk of this (request, column tile)
@@ -76,20 +83,31 @@ struct AttentionPlan {
   bool decode = true;  // one query token per request
   std::vector<AttentionWorkItem> items;
   int32_t num_counters = 0;  // (request, column tile) pairs split into more than one chunk
+  // Columns (query token, query head of the KV head) per tile: kAttentionTileColumns for the
+  // decode kernel, kAttentionRowTile for the row-tiled extend kernel.
+  int32_t tile_columns = kAttentionTileColumns;
+  int64_t num_query_tokens = 0;  // over the batch
+
+  bool row_tiled() const { return tile_columns == kAttentionRowTile; }
 
   // Workspace layout (device, 256-byte aligned parts): work items, arrival counters, partial
-  // outputs [items][kv_heads][8][head_dim] float and partial lse [items][kv_heads][8] float.
+  // outputs [items][kv_heads][tile_columns][head_dim] float, partial lse
+  // [items][kv_heads][tile_columns] float, and for row-tiled plans the rotated queries
+  // [num_query_tokens][num_qo_heads][head_dim] float.
   static constexpr size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
   size_t items_bytes() const { return align(items.size() * sizeof(AttentionWorkItem)); }
   size_t counters_bytes() const { return align(size_t(num_counters) * shape.num_kv_heads * sizeof(int32_t)); }
   size_t partial_o_bytes() const {
-    return align(items.size() * shape.num_kv_heads * kAttentionTileColumns * shape.head_dim * sizeof(float));
+    return align(items.size() * shape.num_kv_heads * size_t(tile_columns) * shape.head_dim * sizeof(float));
   }
   size_t partial_lse_bytes() const {
-    return align(items.size() * shape.num_kv_heads * kAttentionTileColumns * sizeof(float));
+    return align(items.size() * shape.num_kv_heads * size_t(tile_columns) * sizeof(float));
+  }
+  size_t rotated_q_bytes() const {
+    return row_tiled() ? align(size_t(num_query_tokens) * shape.num_qo_heads * shape.head_dim * sizeof(float)) : 0;
   }
   size_t workspace_bytes() const {
-    return items_bytes() + counters_bytes() + partial_o_bytes() + partial_lse_bytes();
+    return items_bytes() + counters_bytes() + partial_o_bytes() + partial_lse_bytes() + rotated_q_bytes();
   }
 };
 
@@ -143,6 +161,13 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   const int64_t bf16_tile = attention_tile_bytes(shape, false);
   std::vector<int64_t> column_tiles(segments.size());
   int64_t total_bytes = 0;  // per KV head, over every column tile
+  int64_t max_rows = 0;
+  for (size_t b = 0; !plan.decode && b < segments.size(); ++b) {
+    max_rows = std::max<int64_t>(max_rows, int64_t{query_tokens[b]} * shape.group_size());
+  }
+  if (!plan.decode && options.row_tiled_extend && shape.head_dim <= 128 && max_rows > kAttentionTileColumns) {
+    plan.tile_columns = kAttentionRowTile;
+  }
   for (size_t b = 0; b < segments.size(); ++b) {
     const SegmentCounts& s = segments[b];
     if (s.sink < 0 || s.int2 < 0 || s.recent < 0 || s.int2 % shape.page_size != 0) {
@@ -160,7 +185,8 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
                               " query tokens but " + std::to_string(length) +
                               " cached tokens (queries are the newest cached tokens)");
     }
-    column_tiles[b] = (queries * shape.group_size() + kAttentionTileColumns - 1) / kAttentionTileColumns;
+    plan.num_query_tokens += queries;
+    column_tiles[b] = (queries * shape.group_size() + plan.tile_columns - 1) / plan.tile_columns;
     const int64_t bytes = attention_tiles(s.sink) * bf16_tile + attention_tiles(s.int2) * int2_tile +
                           attention_tiles(s.recent) * bf16_tile;
     total_bytes += bytes * column_tiles[b];
@@ -201,7 +227,8 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
     const int32_t chunks = static_cast<int32_t>(cuts.size()) - 1;
     for (int64_t c = 0; c < column_tiles[b]; ++c) {
       const int32_t first = static_cast<int32_t>(plan.items.size());
-      const int32_t counter = chunks > 1 ? plan.num_counters++ : -1;
+      // The row-tiled kernel merges chunks in a second launch and needs no arrival counter.
+      const int32_t counter = chunks > 1 && !plan.row_tiled() ? plan.num_counters++ : -1;
       for (int32_t k = 0; k < chunks; ++k) {
         AttentionWorkItem item;
         item.request = static_cast<int32_t>(b);

@@ -34,7 +34,9 @@
 #include <string>
 #include <type_traits>
 
+#include "oscar/attention/attention_fragments.cuh"
 #include "oscar/attention/attention_plan.hpp"
+#include "oscar/attention/extend_attention.cuh"
 #include "oscar/attention/paged_attention_params.hpp"
 #include "oscar/core/status.hpp"
 #include "oscar/kv/paged_kv.hpp"
@@ -64,98 +66,6 @@ struct KernelConfig {
   static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps per block");
 };
 inline constexpr int kCols = kAttentionTileColumns;
-inline constexpr unsigned kFullMask = 0xffffffffu;
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
-
-// ---- register-level building blocks ------------------------------------------------------
-
-OSCAR_DEVICE uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-OSCAR_DEVICE __half2 bits_half2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
-
-OSCAR_DEVICE uint32_t pack_half2(float lo, float hi) { return half2_bits(__floats2half2_rn(lo, hi)); }
-OSCAR_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Codes of field k (bits 2k..2k+1 of bytes 0 and 2 of w) as two exact fp16 values 0..3.
-template <int k>
-OSCAR_DEVICE uint32_t unpack_field(uint32_t w) {
-  uint32_t magic;  // (w & mask) | 0x64006400: fp16 1024 + 4^k·c in each half
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(magic) : "r"(w), "r"(0x00030003u << (2 * k)), "r"(0x64006400u));
-  constexpr float inv = 1.0f / float(1 << (2 * k));
-  const __half2 scale = __float2half2_rn(inv);            // exact: a power of two
-  const __half2 bias = __float2half2_rn(-1024.0f * inv);  // exact
-  return half2_bits(__hfma2(bits_half2(magic), scale, bias));  // exact: the result is c
-}
-
-// Codes of field k as two fp16 values 1024 + 4^k·c, exact, in one LOP3: the key MMAs take
-// them as they are, with q prescaled by 4^-k and the 1024·Σq' they add removed through the
-// accumulator's initial value (int2_tile), which saves the HFMA2 of unpack_field.
-template <int k>
-OSCAR_DEVICE uint32_t unpack_field_biased(uint32_t w) {
-  uint32_t magic;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(magic) : "r"(w), "r"(0x00030003u << (2 * k)), "r"(0x64006400u));
-  return magic;
-}
-
-// 2^x on the SFU, subnormal results flushed to 0 (exp2f adds a range reduction for them,
-// ~6 instructions per call; a probability below 2^-126 of the running max adds nothing).
-OSCAR_DEVICE float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-OSCAR_DEVICE void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-OSCAR_DEVICE void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// Transposes the 8x8 16-bit matrix whose row lane/4, columns 2(lane%4)+{0,1} this lane holds.
-OSCAR_DEVICE uint32_t transpose8x8(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-
-// kWords 32-bit words at p in one 4/8/16-byte load: through the read-only data path for
-// global memory (kGlobal), a plain load for shared memory.
-template <bool kGlobal, int kWords>
-OSCAR_DEVICE void load_words(const void* p, uint32_t (&w)[kWords]) {
-  static_assert(kWords == 1 || kWords == 2 || kWords == 4);
-  using Vec = std::conditional_t<kWords == 1, uint32_t, std::conditional_t<kWords == 2, uint2, uint4>>;
-  const Vec* vp = static_cast<const Vec*>(p);
-  Vec v;
-  if constexpr (kGlobal) {
-    v = __ldg(vp);
-  } else {
-    v = *vp;
-  }
-  static_assert(sizeof(v) == sizeof(w));
-  memcpy(w, &v, sizeof(w));
-}
-
-// ---- the channel order of the value fragments -----------------------------------------------
-// Lane group r (lane / 4) reads bytes [r·D/32, (r+1)·D/32) of every value row. Its register i
-// (0 <= i < D/8) of a token pair holds field i%4 of byte 2(i/8) + (i%8)/4 of that range, i.e.
-// (format v1, one group per row) channel value_channel<D>(r, i). Output slot (m-tile M, row r)
-// is register 2M, slot (M, row r+8) register 2M+1. BF16 value tiles load the same channels.
-template <int D>
-OSCAR_HOST_DEVICE constexpr int value_channel(int r, int i) {
-  return r * (D / 32) + 2 * (i / 8) + (i % 8) / 4 + (i % 4) * (D / 4);
-}
-
 // Per-warp online-softmax state for this lane's two columns (2j, 2j+1) and its slots of o.
 template <int D>
 struct WarpState {
@@ -231,63 +141,6 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
   }
 }
 
-// One request's pages of one segment, resolved once per block: the tile loops then find a
-// tile's pages with a shift and a mask (page sizes are powers of two) and one page-id load per
-// 8-token half. Token counts are int32: the plan refuses longer requests.
-struct SegmentPages {
-  const int32_t* ids = nullptr;  // the request's page ids in this segment
-  int32_t tokens = 0;
-  int32_t start = 0;  // position of the segment's first token in the request
-  int page_shift = 0;
-  int32_t page_mask = 0;
-
-  OSCAR_DEVICE int32_t page_id(int32_t token) const { return __ldg(ids + (token >> page_shift)); }
-  OSCAR_DEVICE int32_t slot(int32_t token) const { return token & page_mask; }
-};
-
-OSCAR_DEVICE SegmentPages segment_pages(const PageTableRef& table, int32_t request, int32_t start) {
-  SegmentPages s;
-  s.ids = table.indices + table.indptr[request];
-  s.tokens = static_cast<int32_t>(table.num_tokens(request));
-  s.start = start;
-  s.page_shift = __ffs(table.page_size) - 1;
-  s.page_mask = table.page_size - 1;
-  return s;
-}
-
-// Where the two 8-token halves of a tile live: page ids and slots (page 0 past the segment).
-struct TileHalves {
-  int32_t page[2];
-  int32_t slot[2];
-  bool present[2];
-};
-
-OSCAR_DEVICE TileHalves locate_tile(const SegmentPages& s, int32_t t0) {
-  TileHalves h;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int32_t token = t0 + 8 * half;
-    h.present[half] = token < s.tokens;
-    h.page[half] = h.present[half] ? s.page_id(token) : 0;
-    h.slot[half] = s.slot(token);
-  }
-  return h;
-}
-
-// The INT2 blocks of one KV head: pool base plus the head's offset, hoisted out of the loop.
-struct Int2HeadBlocks {
-  const uint8_t* k;
-  const uint8_t* v;
-  int64_t k_stride_page;
-  int64_t v_stride_page;
-  int32_t meta_offset;  // bytes of codes before a block's metadata
-};
-
-OSCAR_DEVICE Int2HeadBlocks int2_head_blocks(const Int2PoolRef& kpool, const Int2PoolRef& vpool, int32_t head) {
-  return {kpool.data + head * kpool.stride_head, vpool.data + head * vpool.stride_head, kpool.stride_page,
-          vpool.stride_page, static_cast<int32_t>(kpool.layout.code_bytes())};
-}
-
 // The fragments one lane reads of one staged INT2 tile (read_int2_tile): key rows r and r+8,
 // the metadata of those tokens, value rows 2j, 2j+1, 2j+8, 2j+9.
 template <int D>
@@ -325,15 +178,6 @@ struct Int2Stage {
   static_assert(kCodeChunks % 32 == 0 && kCodeChunksPerHalf % 8 == 0, "whole chunks per lane");
 };
 
-OSCAR_DEVICE uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-OSCAR_DEVICE void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-OSCAR_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-OSCAR_DEVICE void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
 
 // Which run of a tile this lane copies, fixed for the whole loop: lane l copies region l / 8
 // (K half 0, K half 1, V half 0, V half 1) at chunks l % 8 + 8i, and lanes with l % 8 < 2 also
@@ -986,6 +830,7 @@ struct WorkspaceParts {
   int32_t* counters;
   float* partial_o;
   float* partial_lse;
+  float* rotated_q;  // row-tiled plans only
 };
 
 inline WorkspaceParts workspace_parts(const AttentionPlan& plan, void* workspace) {
@@ -995,6 +840,9 @@ inline WorkspaceParts workspace_parts(const AttentionPlan& plan, void* workspace
   w.counters = reinterpret_cast<int32_t*>(base + plan.items_bytes());
   w.partial_o = reinterpret_cast<float*>(base + plan.items_bytes() + plan.counters_bytes());
   w.partial_lse = reinterpret_cast<float*>(base + plan.items_bytes() + plan.counters_bytes() + plan.partial_o_bytes());
+  w.rotated_q = plan.row_tiled() ? reinterpret_cast<float*>(base + plan.items_bytes() + plan.counters_bytes() +
+                                                            plan.partial_o_bytes() + plan.partial_lse_bytes())
+                                 : nullptr;
   return w;
 }
 
@@ -1111,6 +959,39 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
   const float sm_scale = params.sm_scale > 0.0f ? params.sm_scale : 1.0f / std::sqrt(float(shape.head_dim));
   args.scale2 = sm_scale * kLog2e;
   args.decode = plan.decode;
+  if (plan.row_tiled()) {
+    // Row-tiled extend: rotate q once, attend per (row tile, chunk), merge and un-rotate.
+    ExtendArgs ea;
+    ea.p = params;
+    ea.items = w.items;
+    ea.partial_o = w.partial_o;
+    ea.partial_lse = w.partial_lse;
+    ea.rotated_q = params.q_rotation ? w.rotated_q : nullptr;
+    ea.group_size = args.group_size;
+    ea.scale2 = args.scale2;
+    return dispatch_head_dim(shape.head_dim, [&]<int D>() -> Status {
+      if constexpr (D > 128) {
+        return unsupported("paged_attention: row-tiled extend plans need head_dim <= 128");
+      } else {
+        const int64_t rows = plan.num_query_tokens * shape.num_qo_heads;
+        if (params.q_rotation && rows > 0) {
+          const unsigned blocks = static_cast<unsigned>((rows + kRotateRows - 1) / kRotateRows);
+          rotate_queries_kernel<D><<<blocks, 128, 0, stream>>>(params.q, params.q_rotation, rows, w.rotated_q);
+          OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "paged_attention: query rotation launch"));
+        }
+        const size_t smem = ExtendLayout<D>::bytes;
+        OSCAR_RETURN_IF_ERROR(cuda_status(
+            cudaFuncSetAttribute(extend_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            "paged_attention: extend shared memory attribute"));
+        const dim3 grid(static_cast<unsigned>(plan.items.size()), static_cast<unsigned>(shape.num_kv_heads));
+        extend_attention_kernel<D><<<grid, kExtendThreads, smem, stream>>>(ea);
+        OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "paged_attention: extend launch"));
+        const dim3 merge_grid(grid.x, grid.y, kExtendRows / kMergeRows);
+        extend_merge_kernel<D><<<merge_grid, 128, 0, stream>>>(ea);
+        return cuda_status(cudaGetLastError(), "paged_attention: extend merge launch");
+      }
+    });
+  }
   return dispatch_head_dim(shape.head_dim, [&]<int D>() -> Status {
     const size_t smem = SharedLayout<D>::bytes;
     OSCAR_RETURN_IF_ERROR(cuda_status(

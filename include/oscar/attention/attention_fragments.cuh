@@ -1,0 +1,183 @@
+// Register- and shared-memory-level building blocks of the GPU attention kernels (decode in
+// paged_attention.cuh, many-row extend in extend_attention.cuh): fp16/bf16 packing, the
+// magic-number INT2 unpack, tensor-core MMAs, the value channel order, a request's segment
+// pages, and cp.async. Device code only; no kernel here.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "oscar/attention/attention_plan.hpp"
+#include "oscar/kv/paged_kv.hpp"
+
+namespace oscar {
+namespace attention_detail {
+
+inline constexpr unsigned kFullMask = 0xffffffffu;
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- register-level building blocks ------------------------------------------------------
+
+OSCAR_DEVICE uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+OSCAR_DEVICE __half2 bits_half2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+OSCAR_DEVICE uint32_t pack_half2(float lo, float hi) { return half2_bits(__floats2half2_rn(lo, hi)); }
+OSCAR_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Codes of field k (bits 2k..2k+1 of bytes 0 and 2 of w) as two exact fp16 values 0..3.
+template <int k>
+OSCAR_DEVICE uint32_t unpack_field(uint32_t w) {
+  uint32_t magic;  // (w & mask) | 0x64006400: fp16 1024 + 4^k·c in each half
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(magic) : "r"(w), "r"(0x00030003u << (2 * k)), "r"(0x64006400u));
+  constexpr float inv = 1.0f / float(1 << (2 * k));
+  const __half2 scale = __float2half2_rn(inv);            // exact: a power of two
+  const __half2 bias = __float2half2_rn(-1024.0f * inv);  // exact
+  return half2_bits(__hfma2(bits_half2(magic), scale, bias));  // exact: the result is c
+}
+
+// Codes of field k as two fp16 values 1024 + 4^k·c, exact, in one LOP3: the key MMAs take
+// them as they are, with q prescaled by 4^-k and the 1024·Σq' they add removed through the
+// accumulator's initial value (int2_tile), which saves the HFMA2 of unpack_field.
+template <int k>
+OSCAR_DEVICE uint32_t unpack_field_biased(uint32_t w) {
+  uint32_t magic;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(magic) : "r"(w), "r"(0x00030003u << (2 * k)), "r"(0x64006400u));
+  return magic;
+}
+
+// 2^x on the SFU, subnormal results flushed to 0 (exp2f adds a range reduction for them,
+// ~6 instructions per call; a probability below 2^-126 of the running max adds nothing).
+OSCAR_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+OSCAR_DEVICE void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+OSCAR_DEVICE void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Transposes the 8x8 16-bit matrix whose row lane/4, columns 2(lane%4)+{0,1} this lane holds.
+OSCAR_DEVICE uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// kWords 32-bit words at p in one 4/8/16-byte load: through the read-only data path for
+// global memory (kGlobal), a plain load for shared memory.
+template <bool kGlobal, int kWords>
+OSCAR_DEVICE void load_words(const void* p, uint32_t (&w)[kWords]) {
+  static_assert(kWords == 1 || kWords == 2 || kWords == 4);
+  using Vec = std::conditional_t<kWords == 1, uint32_t, std::conditional_t<kWords == 2, uint2, uint4>>;
+  const Vec* vp = static_cast<const Vec*>(p);
+  Vec v;
+  if constexpr (kGlobal) {
+    v = __ldg(vp);
+  } else {
+    v = *vp;
+  }
+  static_assert(sizeof(v) == sizeof(w));
+  memcpy(w, &v, sizeof(w));
+}
+
+// ---- the channel order of the value fragments -----------------------------------------------
+// Lane group r (lane / 4) reads bytes [r·D/32, (r+1)·D/32) of every value row. Its register i
+// (0 <= i < D/8) of a token pair holds field i%4 of byte 2(i/8) + (i%8)/4 of that range, i.e.
+// (format v1, one group per row) channel value_channel<D>(r, i). Output slot (m-tile M, row r)
+// is register 2M, slot (M, row r+8) register 2M+1. BF16 value tiles load the same channels.
+template <int D>
+OSCAR_HOST_DEVICE constexpr int value_channel(int r, int i) {
+  return r * (D / 32) + 2 * (i / 8) + (i % 8) / 4 + (i % 4) * (D / 4);
+}
+
+
+// One request's pages of one segment, resolved once per block: the tile loops then find a
+// tile's pages with a shift and a mask (page sizes are powers of two) and one page-id load per
+// 8-token half. Token counts are int32: the plan refuses longer requests.
+struct SegmentPages {
+  const int32_t* ids = nullptr;  // the request's page ids in this segment
+  int32_t tokens = 0;
+  int32_t start = 0;  // position of the segment's first token in the request
+  int page_shift = 0;
+  int32_t page_mask = 0;
+
+  OSCAR_DEVICE int32_t page_id(int32_t token) const { return __ldg(ids + (token >> page_shift)); }
+  OSCAR_DEVICE int32_t slot(int32_t token) const { return token & page_mask; }
+};
+
+OSCAR_DEVICE SegmentPages segment_pages(const PageTableRef& table, int32_t request, int32_t start) {
+  SegmentPages s;
+  s.ids = table.indices + table.indptr[request];
+  s.tokens = static_cast<int32_t>(table.num_tokens(request));
+  s.start = start;
+  s.page_shift = __ffs(table.page_size) - 1;
+  s.page_mask = table.page_size - 1;
+  return s;
+}
+
+// Where the two 8-token halves of a tile live: page ids and slots (page 0 past the segment).
+struct TileHalves {
+  int32_t page[2];
+  int32_t slot[2];
+  bool present[2];
+};
+
+OSCAR_DEVICE TileHalves locate_tile(const SegmentPages& s, int32_t t0) {
+  TileHalves h;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int32_t token = t0 + 8 * half;
+    h.present[half] = token < s.tokens;
+    h.page[half] = h.present[half] ? s.page_id(token) : 0;
+    h.slot[half] = s.slot(token);
+  }
+  return h;
+}
+
+// The INT2 blocks of one KV head: pool base plus the head's offset, hoisted out of the loop.
+struct Int2HeadBlocks {
+  const uint8_t* k;
+  const uint8_t* v;
+  int64_t k_stride_page;
+  int64_t v_stride_page;
+  int32_t meta_offset;  // bytes of codes before a block's metadata
+};
+
+OSCAR_DEVICE Int2HeadBlocks int2_head_blocks(const Int2PoolRef& kpool, const Int2PoolRef& vpool, int32_t head) {
+  return {kpool.data + head * kpool.stride_head, vpool.data + head * vpool.stride_head, kpool.stride_page,
+          vpool.stride_page, static_cast<int32_t>(kpool.layout.code_bytes())};
+}
+
+
+OSCAR_DEVICE uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+OSCAR_DEVICE void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+OSCAR_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+OSCAR_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+}  // namespace attention_detail
+}  // namespace oscar
