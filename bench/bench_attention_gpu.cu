@@ -141,14 +141,19 @@ struct Problem {
       std::exit(1);
     }
     AttentionPlanOptions options = *device_options;
-    if (const int bps = env_int("OSCAR_BENCH_BLOCKS_PER_SM", 0); bps > 0) options.target_blocks_per_sm = bps;
-    blocks_per_sm = options.target_blocks_per_sm;
+    if (const int bps = env_int("OSCAR_BENCH_BLOCKS_PER_SM", 0); bps > 0) {
+      options.target_blocks_per_sm = bps;
+      options.target_extend_blocks_per_sm = bps;
+    }
+    // OSCAR_BENCH_ROW_TILED=0 runs extend plans on the decode kernel's column tiles.
+    options.row_tiled_extend = env_int("OSCAR_BENCH_ROW_TILED", 1) != 0;
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
       std::exit(1);
     }
     plan = std::move(made).value();
+    blocks_per_sm = plan.row_tiled() ? options.target_extend_blocks_per_sm : options.target_blocks_per_sm;
     check(cudaMalloc(&workspace, plan.workspace_bytes()), "workspace");
     allocations.push_back(workspace);
     const Status up = upload_attention_plan(plan, workspace, plan.workspace_bytes());
@@ -225,8 +230,9 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMicrosecond);
   }
   // Extend (chunked prefill / speculative verification): Q new tokens over a 32K quantized
-  // prefix. Target: within 1.5x of the time to read the prefix (%copy >= 67).
-  for (int queries : {16, 64, 256}) {
+  // prefix. Target: within 1.5x of the time to read the prefix (%copy >= 67). Q = 4 is a
+  // speculative verification step (16 rows at g = 4); Q >= 16 fills 64-row tiles.
+  for (int queries : {4, 16, 64, 256}) {
     const std::string name = "extend/hq32_hkv8_d128/B1/L32768/Q" + std::to_string(queries);
     benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 1, int64_t{32768}, 32, 8, 128, 16, true, queries)
         ->UseManualTime()

@@ -62,34 +62,34 @@ TEST_CASE("chunks cover every tile once, in order") {
   REQUIRE(extend.ok());
   CHECK(!extend->decode);
   check_cover(*extend, lengths, queries);
-  // 28 rows in one request: the row-tiled kernel's 64-row tiles, one per request, and room
-  // for the rotated queries (13 tokens x 32 heads x 128 floats).
-  CHECK(extend->row_tiled());
-  CHECK(extend->tile_columns == kAttentionRowTile);
-  CHECK(extend->num_query_tokens == 13);
-  CHECK(extend->num_counters == 0);
-  CHECK(extend->rotated_q_bytes() >= size_t{13} * 32 * 128 * sizeof(float));
+  CHECK(!extend->row_tiled());  // 28 rows at most: the decode kernel's column tiles
+  CHECK(extend->rotated_q_bytes() == 0);
 
-  // At most 8 rows per request (2 tokens x 4 heads), d = 256, or the option off: the decode
-  // kernel's 8-column tiles.
-  const std::vector<int32_t> two = {1, 2, 2, 1};
-  auto small = make_attention_plan(headline(), lengths, two);
-  REQUIRE(small.ok());
-  CHECK(!small->row_tiled());
-  CHECK(small->rotated_q_bytes() == 0);
-  check_cover(*small, lengths, two);
+  // 80 rows in one request: the row-tiled kernel's 64-row tiles (two for that request, one for
+  // each other), no arrival counters, and room for the rotated queries (27 tokens x 32 heads).
+  const std::vector<int32_t> many = {1, 20, 4, 2};
+  auto rows = make_attention_plan(headline(), lengths, many);
+  REQUIRE(rows.ok());
+  CHECK(rows->row_tiled());
+  CHECK(rows->tile_columns == kAttentionRowTile);
+  CHECK(rows->num_query_tokens == 27);
+  CHECK(rows->num_counters == 0);
+  CHECK(rows->rotated_q_bytes() >= size_t{27} * 32 * 128 * sizeof(float));
+  check_cover(*rows, lengths, many);
+
+  // d = 256, or the option off: the column tiles.
   AttentionShape wide = headline();
   wide.head_dim = wide.quant_group_size = 256;
-  auto d256 = make_attention_plan(wide, lengths, queries);
+  auto d256 = make_attention_plan(wide, lengths, many);
   REQUIRE(d256.ok());
   CHECK(!d256->row_tiled());
-  check_cover(*d256, lengths, queries);
+  check_cover(*d256, lengths, many);
   AttentionPlanOptions columns;
   columns.row_tiled_extend = false;
-  auto off = make_attention_plan(headline(), lengths, queries, columns);
+  auto off = make_attention_plan(headline(), lengths, many, columns);
   REQUIRE(off.ok());
   CHECK(off->tile_columns == kAttentionTileColumns);
-  check_cover(*off, lengths, queries);
+  check_cover(*off, lengths, many);
 }
 
 TEST_CASE("chunks are sized in bytes: an INT2 chunk holds ~7x the tokens of a BF16 chunk") {

@@ -387,7 +387,10 @@ TEST_CASE("plan options for the device: its SM count and the kernel's resident b
     CHECK(options->num_sms == sms);
     CHECK(options->target_blocks_per_sm >= 1);
     CHECK(options->target_blocks_per_sm <= 8);  // 8 warps per block, 64 warps per SM
-    MESSAGE("head_dim " << d << ": " << options->target_blocks_per_sm << " resident blocks per SM");
+    CHECK(options->target_extend_blocks_per_sm >= 1);
+    CHECK(options->target_extend_blocks_per_sm <= 16);  // 4 warps per block
+    MESSAGE("head_dim " << d << ": " << options->target_blocks_per_sm << " resident blocks per SM, extend "
+                        << options->target_extend_blocks_per_sm);
   }
   CHECK(attention_plan_options_for_device(96).status().code() == StatusCode::kUnsupported);
 }

@@ -28,10 +28,14 @@ inline constexpr int kAttentionTileTokens = 16;
 // One column tile: this many (query token, query head) columns share one pass over the keys
 // (the N dimension of one MMA). A decode step of a GQA group of up to 8 heads is one tile.
 inline constexpr int kAttentionTileColumns = 8;
-// Extend plans with more rows than one column tile (rows = query tokens x GQA group) run the
-// row-tiled extend kernel instead: 64 rows per block, queries in the MMA's M dimension, so a
-// block unpacks each key tile once for all its rows (extend_attention.cuh). Head dims <= 128.
+// Extend plans where some request has more than kAttentionRowTiledMinRows rows (rows = query
+// tokens x GQA group) run the row-tiled extend kernel instead: 64 rows per block, queries in
+// the MMA's M dimension, so a block reads each key tile once for all its rows
+// (extend_attention.cuh). Head dims <= 128. Below the threshold the column kernel was faster
+// on the H200 (32K prefix, g = 4: 16 rows 75 vs 104 us, 64 rows 129 vs 156 us; 256 rows
+// 403 vs 267 us, docs/benchmarks.md).
 inline constexpr int kAttentionRowTile = 64;
+inline constexpr int kAttentionRowTiledMinRows = 64;
 
 struct AttentionShape {
   int32_t num_qo_heads = 0;
@@ -52,9 +56,12 @@ struct AttentionPlanOptions {
   // pipeline's fill cost more than they save (H200, B = 1, d = 128, 32K: 48 chunks of 49 KB
   // took 52 us where 32 chunks took 48 us).
   int64_t min_chunk_bytes = 64 * 1024;
-  // Extend plans with more than kAttentionTileColumns rows in some request run on the
+  // Extend plans with more than kAttentionRowTiledMinRows rows in some request run on the
   // row-tiled extend kernel (false: on the decode kernel's 8-column tiles, as before it).
   bool row_tiled_extend = true;
+  // target_blocks_per_sm for row-tiled extend plans (a different kernel, with its own
+  // occupancy). 0: kDefaultTargetBlocksPerSm.
+  int32_t target_extend_blocks_per_sm = 0;
 };
 
 inline constexpr int32_t kDefaultTargetBlocksPerSm = 2;
@@ -165,7 +172,7 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   for (size_t b = 0; !plan.decode && b < segments.size(); ++b) {
     max_rows = std::max<int64_t>(max_rows, int64_t{query_tokens[b]} * shape.group_size());
   }
-  if (!plan.decode && options.row_tiled_extend && shape.head_dim <= 128 && max_rows > kAttentionTileColumns) {
+  if (!plan.decode && options.row_tiled_extend && shape.head_dim <= 128 && max_rows > kAttentionRowTiledMinRows) {
     plan.tile_columns = kAttentionRowTile;
   }
   for (size_t b = 0; b < segments.size(); ++b) {
@@ -192,8 +199,8 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
     total_bytes += bytes * column_tiles[b];
   }
 
-  const int64_t blocks_per_sm =
-      options.target_blocks_per_sm > 0 ? options.target_blocks_per_sm : kDefaultTargetBlocksPerSm;
+  const int32_t target = plan.row_tiled() ? options.target_extend_blocks_per_sm : options.target_blocks_per_sm;
+  const int64_t blocks_per_sm = target > 0 ? target : kDefaultTargetBlocksPerSm;
   const int64_t target_items = std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
   const int64_t chunk_bytes = std::max(options.min_chunk_bytes, (total_bytes + target_items - 1) / target_items);
 

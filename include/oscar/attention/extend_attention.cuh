@@ -41,8 +41,18 @@ inline constexpr int kExtendWarps = 4;
 inline constexpr int kExtendThreads = 32 * kExtendWarps;
 inline constexpr int kExtendRows = kAttentionRowTile;  // 16 per warp
 static_assert(kExtendRows == 16 * kExtendWarps);
-inline constexpr int kExtendStageTiles = 2;  // 16-token tiles per pipeline stage (one barrier each)
+// 16-token tiles per pipeline stage (one barrier each): 4, so that up to 4 warps sharing the
+// same rows (replicas, below) each get a tile of every stage.
+inline constexpr int kExtendStageTiles = 4;
 inline constexpr int kExtendStages = 4;
+// Resident blocks per SM the registers must leave room for: 3 x 4 warps at d = 128 (168
+// registers, q in shared memory); 2 left 8 warps per SM, too few to hide the dependent
+// unpack -> MMA -> softmax chain (H200: 4.6 cycles per issue, docs/benchmarks.md).
+#ifdef OSCAR_EXTEND_MIN_BLOCKS_PER_SM
+inline constexpr int kExtendMinBlocks = OSCAR_EXTEND_MIN_BLOCKS_PER_SM;
+#else
+inline constexpr int kExtendMinBlocks = 3;
+#endif
 
 // 32-bit words of codes one lane reads per token: key bytes [j·D/16, (j+1)·D/16) and value
 // bytes [r·D/32, (r+1)·D/32) (2 bytes at D = 64, read as one 16-bit load).
@@ -70,12 +80,15 @@ struct ExtendStage {
   static_assert(kRowBytes % 16 == 0, "whole 16-byte chunks per row");
 };
 
+// Shared memory of one block. q stays in shared memory (the registers go to o): the fp16
+// fragments are read once per k-step of an INT2 tile, the float rows by the few BF16 tiles.
 template <int D>
 struct ExtendLayout {
-  static constexpr size_t q_rows = 0;  // float [64][D]: the block's q rows; later each warp's o
-  static constexpr size_t q_bf16 = q_rows + sizeof(float) * kExtendRows * D;  // uint4 [warps][D/16][2][32]
-  static constexpr size_t stages = q_bf16 + sizeof(uint4) * kExtendWarps * (D / 16) * 2 * 32;
-  static constexpr size_t bytes = stages + size_t{kExtendStages} * ExtendStage<D>::kBytes;
+  static constexpr size_t q_rows = 0;  // float [64][D]: the block's q rows; at the end each warp's o
+  static constexpr size_t q_f16 = q_rows + sizeof(float) * kExtendRows * D;  // uint4 [warps][D/16][32]
+  static constexpr size_t stages = q_f16 + sizeof(uint4) * kExtendWarps * (D / 16) * 32;
+  static constexpr size_t stats = stages + size_t{kExtendStages} * ExtendStage<D>::kBytes;  // float [2][warps][16]
+  static constexpr size_t bytes = stats + sizeof(float) * 2 * kExtendWarps * 16;
 };
 
 struct ExtendArgs {
@@ -193,7 +206,7 @@ OSCAR_DEVICE void int2_values(RowState<D>& st, const uint32_t (&pa)[4], const ui
 
 // One staged INT2 tile (16 keys at key offset kb of the stage) for this warp's 16 rows.
 template <int D>
-OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint32_t (&qa)[D / 16][4], const float (&qsum)[2],
+OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint4* qa, const float (&qsum)[2],
                                    const float (&key_bias)[2], const unsigned char* stage, int kb, bool mask,
                                    int32_t first_key, int valid, const int32_t (&q_pos)[2], float scale2, int lane) {
   using S = ExtendStage<D>;
@@ -238,8 +251,12 @@ OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint32_t (&qa)[D / 16]
     const uint32_t lo0 = kw[0][wi], lo1 = kw[1][wi];
     const uint32_t hi0 = lo0 >> 8, hi1 = lo1 >> 8;
 #define OSCAR_EXTEND_KSTEP(K, ACC)                                                                    \
-  mma_f16(ACC[0], qa[wi * 4 + K], unpack_field_biased<K>(lo0), unpack_field_biased<K>(hi0));         \
-  mma_f16(ACC[1], qa[wi * 4 + K], unpack_field_biased<K>(lo1), unpack_field_biased<K>(hi1));
+  {                                                                                                   \
+    const uint4 qv = qa[(wi * 4 + K) * 32];                                                           \
+    const uint32_t a[4] = {qv.x, qv.y, qv.z, qv.w};                                                   \
+    mma_f16(ACC[0], a, unpack_field_biased<K>(lo0), unpack_field_biased<K>(hi0));                     \
+    mma_f16(ACC[1], a, unpack_field_biased<K>(lo1), unpack_field_biased<K>(hi1));                     \
+  }
     OSCAR_EXTEND_KSTEP(0, acc) OSCAR_EXTEND_KSTEP(1, acc_odd) OSCAR_EXTEND_KSTEP(2, acc) OSCAR_EXTEND_KSTEP(3, acc_odd)
 #undef OSCAR_EXTEND_KSTEP
   }
@@ -274,10 +291,36 @@ OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint32_t (&qa)[D / 16]
   int2_values<D>(st, pa, vw);
 }
 
+// The bf16 hi + lo A fragments of k-step s of rows qr0 (r) and qr1 (r + 8): channels ch, ch+1
+// | ch+2, ch+3 with ch = 32(s/2) + 8j + 4(s%2), the channels the B fragment of a key row reads.
+OSCAR_DEVICE void bf16_q_fragment(const float* qr0, const float* qr1, int s, int j, uint32_t (&hi)[4],
+                                  uint32_t (&lo)[4]) {
+  const int ch = (s / 2) * 32 + 8 * j + 4 * (s % 2);
+  const float4 a = *reinterpret_cast<const float4*>(qr0 + ch), b = *reinterpret_cast<const float4*>(qr1 + ch);
+  const float x[2][4] = {{a.x, a.y, a.z, a.w}, {b.x, b.y, b.z, b.w}};
+  float h[2][4], l[2][4];
+#pragma unroll
+  for (int row = 0; row < 2; ++row) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      h[row][e] = __bfloat162float(__float2bfloat16_rn(x[row][e]));
+      l[row][e] = x[row][e] - h[row][e];
+    }
+  }
+  hi[0] = pack_bf16x2(h[0][0], h[0][1]);
+  hi[1] = pack_bf16x2(h[1][0], h[1][1]);
+  hi[2] = pack_bf16x2(h[0][2], h[0][3]);
+  hi[3] = pack_bf16x2(h[1][2], h[1][3]);
+  lo[0] = pack_bf16x2(l[0][0], l[0][1]);
+  lo[1] = pack_bf16x2(l[1][0], l[1][1]);
+  lo[2] = pack_bf16x2(l[0][2], l[0][3]);
+  lo[3] = pack_bf16x2(l[1][2], l[1][3]);
+}
+
 // One BF16 tile (sink or window) for this warp's rows, read straight from the pool (these
-// segments are a few tiles per request). qb: this lane's {hi, lo} A fragments per k-step.
+// segments are a few tiles per request). qr0 / qr1: this lane's q rows r and r + 8 (float).
 template <int D>
-OSCAR_DEVICE void extend_bf16_tile(RowState<D>& st, const uint4* qb, const Bf16PoolRef& kpool,
+OSCAR_DEVICE void extend_bf16_tile(RowState<D>& st, const float* qr0, const float* qr1, const Bf16PoolRef& kpool,
                                    const Bf16PoolRef& vpool, int32_t head, const TileHalves& th, int32_t first_key,
                                    int valid, const int32_t (&q_pos)[2], float scale2, int lane) {
   constexpr int kVWords = D / 64;
@@ -315,8 +358,8 @@ OSCAR_DEVICE void extend_bf16_tile(RowState<D>& st, const uint4* qb, const Bf16P
   float acc[2][4] = {}, acc_lo[2][4] = {};
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
-    const uint4 hi = qb[(2 * s) * 32], lo = qb[(2 * s + 1) * 32];
-    const uint32_t a_hi[4] = {hi.x, hi.y, hi.z, hi.w}, a_lo[4] = {lo.x, lo.y, lo.z, lo.w};
+    uint32_t a_hi[4], a_lo[4];
+    bf16_q_fragment(qr0, qr1, s, j, a_hi, a_lo);
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const uint4 kr = krow[n][s / 2];
@@ -349,84 +392,54 @@ OSCAR_DEVICE void extend_bf16_tile(RowState<D>& st, const uint4* qb, const Bf16P
   }
 }
 
-// Which 16-byte runs of a stage this thread copies, fixed for the whole loop: code chunk
-// `tid` (K rows, then V rows) and, for kMetaChunks threads, one chunk of 4 tokens' metadata.
-template <int D>
-struct ExtendCopyRole {
-  const uint8_t* code_pool = nullptr;  // the K or V blocks of the block's head; null: no code chunk
-  int64_t code_stride = 0;
-  int code_key = 0;        // token of the stage
-  int code_src = 0;        // byte offset in the token's row
-  uint32_t code_dst = 0;   // byte offset in the stage
-  const uint8_t* meta_pool = nullptr;  // null: no metadata chunk
-  int64_t meta_stride = 0;
-  int meta_key = 0;
-  int meta_src = 0;        // the blocks' metadata offset
-  uint32_t meta_dst = 0;
-};
-
-template <int D>
-OSCAR_DEVICE ExtendCopyRole<D> extend_copy_role(const Int2HeadBlocks& blocks, int tid) {
-  using S = ExtendStage<D>;
-  static_assert(S::kCodeChunks <= kExtendThreads && S::kMetaChunks <= kExtendThreads, "one chunk per thread");
-  ExtendCopyRole<D> role;
-  if (tid < S::kCodeChunks) {
-    const int tensor = tid / (S::kKeys * S::kChunksPerRow);
-    const int rem = tid % (S::kKeys * S::kChunksPerRow);
-    role.code_pool = tensor == 0 ? blocks.k : blocks.v;
-    role.code_stride = tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page;
-    role.code_key = rem / S::kChunksPerRow;
-    role.code_src = (rem % S::kChunksPerRow) * 16;
-    role.code_dst = tensor * S::kCodes + role.code_key * S::kRowBytes + role.code_src;
-  }
-  // Metadata chunks go to the threads after the code chunks (wrapping around).
-  const int m = (tid - S::kCodeChunks + kExtendThreads) % kExtendThreads;
-  if (m < S::kMetaChunks) {
-    const int tensor = m / (S::kKeys / 4);
-    role.meta_pool = tensor == 0 ? blocks.k : blocks.v;
-    role.meta_stride = tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page;
-    role.meta_key = 4 * (m % (S::kKeys / 4));  // 4 tokens of one page: pages hold >= 8
-    role.meta_src = blocks.meta_offset;
-    role.meta_dst = S::kKMeta + tensor * 4 * S::kKeys + 4 * role.meta_key;
-  }
-  return role;
-}
-
 // Issues this thread's copies of one stage: tiles from tile0 on, tokens below `limit` (the
-// chunk's and the segment's end). Rows past it keep stale codes (finite whatever they are:
-// every bit pattern is a code) and get zero metadata, so their p = 0 meets a zero scale and
-// offset. Commits one group, empty or not.
+// chunk's and the segment's end). Code chunks c = tid + 128i (K rows, then V rows), then one
+// chunk of 4 tokens' metadata for the first kMetaChunks threads; the divisions are by powers
+// of two. Rows past `limit` keep stale codes (finite whatever they are: every bit pattern is a
+// code) and get zero metadata, so their p = 0 meets a zero scale and offset. Commits one
+// group, empty or not.
 template <int D>
-OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, const ExtendCopyRole<D>& role,
-                                     int32_t tile0, int32_t limit) {
+OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, const Int2HeadBlocks& blocks,
+                                     int32_t tile0, int32_t limit, int tid) {
   using S = ExtendStage<D>;
+  static_assert(S::kCodeChunks % kExtendThreads == 0 && S::kMetaChunks <= kExtendThreads, "whole rounds of copies");
   const int32_t first_token = tile0 * kAttentionTileTokens;
-  if (role.code_pool) {
-    const int32_t token = first_token + role.code_key;
+#pragma unroll
+  for (int i = 0; i < S::kCodeChunks / kExtendThreads; ++i) {
+    const int c = tid + kExtendThreads * i;
+    const int tensor = c / (S::kKeys * S::kChunksPerRow);
+    const int key = (c / S::kChunksPerRow) % S::kKeys;
+    const int part = (c % S::kChunksPerRow) * 16;
+    const int32_t token = first_token + key;
     if (token < limit) {
-      cp_async16(stage + role.code_dst, role.code_pool + seg.page_id(token) * role.code_stride +
-                                            seg.slot(token) * S::kRowBytes + role.code_src);
+      const uint8_t* pool = tensor == 0 ? blocks.k : blocks.v;
+      const int64_t stride = tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page;
+      cp_async16(stage + tensor * S::kCodes + key * S::kRowBytes + part,
+                 pool + seg.page_id(token) * stride + seg.slot(token) * S::kRowBytes + part);
     }
   }
-  if (role.meta_pool) {
-    const int32_t token = first_token + role.meta_key;
+  if (tid < S::kMetaChunks) {
+    const int tensor = tid / (S::kKeys / 4);
+    const int key = 4 * (tid % (S::kKeys / 4));  // 4 tokens of one page: pages hold >= 8
+    const int32_t token = first_token + key;
+    const uint32_t dst = stage + S::kKMeta + tensor * 4 * S::kKeys + 4 * key;
     if (token < limit) {
-      cp_async16(stage + role.meta_dst,
-                 role.meta_pool + seg.page_id(token) * role.meta_stride + role.meta_src + seg.slot(token) * 4);
+      const uint8_t* pool = tensor == 0 ? blocks.k : blocks.v;
+      const int64_t stride = tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page;
+      cp_async16(dst, pool + seg.page_id(token) * stride + blocks.meta_offset + seg.slot(token) * 4);
     } else {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + role.meta_dst), "r"(0u) : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst), "r"(0u) : "memory");
     }
   }
   cp_async_commit();
 }
 
 template <int D>
-__global__ void __launch_bounds__(kExtendThreads, 2) extend_attention_kernel(const ExtendArgs args) {
+__global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_attention_kernel(const ExtendArgs args) {
   using L = ExtendLayout<D>;
   using S = ExtendStage<D>;
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_rows = reinterpret_cast<float*>(smem + L::q_rows);
-  uint4* q_bf16 = reinterpret_cast<uint4*>(smem + L::q_bf16);
   unsigned char* stages = smem + L::stages;
 
   const PagedAttentionParams& p = args.p;
@@ -448,6 +461,13 @@ __global__ void __launch_bounds__(kExtendThreads, 2) extend_attention_kernel(con
   const int32_t n_q = p.qo_indptr[b_req + 1] - q_begin;
   const int32_t row0 = item.column_tile * kExtendRows;
   const int32_t n_rows = n_q * g;  // rows of the request: query token x query head of this KV head
+  // Warps split the block's rows into groups of 16; where there are only 1 or 2 groups (a
+  // short extend, e.g. speculative verification), the warps of a group (replicas) share its
+  // rows and split the tiles instead, and are merged at the end, so no warp idles.
+  const int row_groups = (min(kExtendRows, n_rows - row0) + 15) / 16;
+  const int replicas = row_groups <= 2 ? kExtendWarps / row_groups : 1;
+  const int group = warp % row_groups, replica = warp / row_groups;
+  const bool warp_active = replica < replicas;  // 3 groups: the fourth warp idles
 
   // 1. The block's q rows (rotated once by rotate_queries_kernel, or as given), zero past the end.
   for (int idx = tid; idx < kExtendRows * D; idx += kExtendThreads) {
@@ -463,25 +483,24 @@ __global__ void __launch_bounds__(kExtendThreads, 2) extend_attention_kernel(con
   }
   __syncthreads();
 
-  // 2. This lane's A fragments of rows r and r + 8 of its warp: fp16 (x 4^-k for code field k,
-  // channels in the order the lane's key bytes hold them) for INT2 keys, bf16 hi/lo for BF16
-  // keys (in shared memory: only the few BF16 tiles read them).
-  const float* qr0 = q_rows + (16 * warp + r) * D;
+  // 2. This lane's A fragments of rows r and r + 8 of its warp for INT2 keys: fp16, x 4^-k for
+  // code field k, channels in the order the lane's key bytes hold them (BF16 tiles build
+  // theirs from the float rows).
+  const float* qr0 = q_rows + (16 * group + r) * D;
   const float* qr1 = qr0 + 8 * D;
-  uint32_t qa[D / 16][4];
+  uint4* qa = reinterpret_cast<uint4*>(smem + L::q_f16) + warp * (D / 16) * 32 + lane;
   float bias_part[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
     const int wi = s / 4, k = s % 4;
     const int ch = j * (D / 16) + 4 * wi + k * (D / 4);
     const float inv = 1.0f / float(1 << (2 * k));  // exact scaling
-    qa[s][0] = pack_half2(qr0[ch + 0] * inv, qr0[ch + 2] * inv);
-    qa[s][1] = pack_half2(qr1[ch + 0] * inv, qr1[ch + 2] * inv);
-    qa[s][2] = pack_half2(qr0[ch + 1] * inv, qr0[ch + 3] * inv);
-    qa[s][3] = pack_half2(qr1[ch + 1] * inv, qr1[ch + 3] * inv);
+    const uint32_t a[4] = {pack_half2(qr0[ch + 0] * inv, qr0[ch + 2] * inv), pack_half2(qr1[ch + 0] * inv, qr1[ch + 2] * inv),
+                           pack_half2(qr0[ch + 1] * inv, qr0[ch + 3] * inv), pack_half2(qr1[ch + 1] * inv, qr1[ch + 3] * inv)};
+    qa[s * 32] = make_uint4(a[0], a[1], a[2], a[3]);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float2 h = __half22float2(bits_half2(qa[s][e]));
+      const float2 h = __half22float2(bits_half2(a[e]));
       bias_part[e & 1] += h.x + h.y;
     }
   }
@@ -502,36 +521,15 @@ __global__ void __launch_bounds__(kExtendThreads, 2) extend_attention_kernel(con
       qsum[i] = sum[i];
     }
   }
-  uint4* qb = q_bf16 + warp * (D / 16) * 2 * 32 + lane;
-#pragma unroll
-  for (int s = 0; s < D / 16; ++s) {
-    const int ch = (s / 2) * 32 + 8 * j + 4 * (s % 2);
-    float hi[2][4], lo[2][4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      hi[0][e] = __bfloat162float(__float2bfloat16_rn(qr0[ch + e]));
-      lo[0][e] = qr0[ch + e] - hi[0][e];
-      hi[1][e] = __bfloat162float(__float2bfloat16_rn(qr1[ch + e]));
-      lo[1][e] = qr1[ch + e] - hi[1][e];
-    }
-    // A fragment: {row r, k 2j..}, {row r+8, 2j..}, {r, 2j+8..}, {r+8, 2j+8..} = channels
-    // ch, ch+1 | ch+2, ch+3 (the B fragment of a key row reads the same channels).
-    qb[(2 * s) * 32] = make_uint4(pack_bf16x2(hi[0][0], hi[0][1]), pack_bf16x2(hi[1][0], hi[1][1]),
-                                  pack_bf16x2(hi[0][2], hi[0][3]), pack_bf16x2(hi[1][2], hi[1][3]));
-    qb[(2 * s + 1) * 32] = make_uint4(pack_bf16x2(lo[0][0], lo[0][1]), pack_bf16x2(lo[1][0], lo[1][1]),
-                                      pack_bf16x2(lo[0][2], lo[0][3]), pack_bf16x2(lo[1][2], lo[1][3]));
-  }
   int32_t q_pos[2];
   int32_t warp_min_pos;  // the oldest query of the warp: keys up to it need no causal mask
   {
-    const int32_t gr0 = row0 + 16 * warp + r, gr1 = gr0 + 8;
+    const int32_t gr0 = row0 + 16 * group + r, gr1 = gr0 + 8;
     q_pos[0] = gr0 < n_rows ? length - n_q + gr0 / g : INT32_MAX;
     q_pos[1] = gr1 < n_rows ? length - n_q + gr1 / g : INT32_MAX;
-    const int32_t first = row0 + 16 * warp;
-    warp_min_pos = first < n_rows ? length - n_q + first / g : INT32_MAX;
+    warp_min_pos = length - n_q + (row0 + 16 * group) / g;  // the group's first row exists
   }
-  const bool warp_active = row0 + 16 * warp < n_rows;
-  __syncwarp();  // this warp's bf16 fragments are written
+  __syncwarp();  // this warp's fp16 fragments are written
 
   RowState<D> st;
 #pragma unroll
@@ -550,10 +548,10 @@ __global__ void __launch_bounds__(kExtendThreads, 2) extend_attention_kernel(con
     int32_t begin, end;
     chunk_tiles(seg, first_tile, begin, end);
     if (!warp_active) return;
-    for (int32_t t = begin; t < end; ++t) {
+    for (int32_t t = begin + replica; t < end; t += replicas) {
       const int32_t t0 = t * kAttentionTileTokens;
       const TileHalves th = locate_tile(seg, t0);
-      extend_bf16_tile<D>(st, qb, kv.k_bf16, kv.v_bf16, head, th, seg.start + t0,
+      extend_bf16_tile<D>(st, qr0, qr1, kv.k_bf16, kv.v_bf16, head, th, seg.start + t0,
                           min(seg.tokens - t0, kAttentionTileTokens), q_pos, scale2, lane);
     }
   };
@@ -564,26 +562,27 @@ __global__ void __launch_bounds__(kExtendThreads, 2) extend_attention_kernel(con
     int32_t begin, end;
     chunk_tiles(body, sink_tiles, begin, end);
     if (begin < end) {
-      const ExtendCopyRole<D> role = extend_copy_role<D>(int2_head_blocks(kv.k_int2, kv.v_int2, head), tid);
+      const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
       const uint32_t stage0 = smem_address(stages);
       const int32_t limit = min(end * kAttentionTileTokens, body.tokens);
       const int32_t groups = (end - begin + kExtendStageTiles - 1) / kExtendStageTiles;
 #pragma unroll
       for (int k = 0; k < kExtendStages - 1; ++k) {
-        issue_extend_stage<D>(stage0 + k * S::kBytes, body, role, begin + k * kExtendStageTiles, k < groups ? limit : 0);
+        issue_extend_stage<D>(stage0 + k * S::kBytes, body, blocks, begin + k * kExtendStageTiles, k < groups ? limit : 0,
+                              tid);
       }
       for (int32_t gi = 0; gi < groups; ++gi) {
         cp_async_wait<kExtendStages - 2>();
         __syncthreads();  // stage gi has landed for every thread; every warp is done with gi - 1
         const int32_t next = gi + kExtendStages - 1;
-        issue_extend_stage<D>(stage0 + (next % kExtendStages) * S::kBytes, body, role,
-                              begin + next * kExtendStageTiles, next < groups ? limit : 0);
+        issue_extend_stage<D>(stage0 + (next % kExtendStages) * S::kBytes, body, blocks,
+                              begin + next * kExtendStageTiles, next < groups ? limit : 0, tid);
         if (warp_active) {
           const unsigned char* stage = stages + (gi % kExtendStages) * S::kBytes;
 #pragma unroll
           for (int t = 0; t < kExtendStageTiles; ++t) {
             const int32_t tile = begin + gi * kExtendStageTiles + t;
-            if (tile < end) {
+            if (t % replicas == replica && tile < end) {
               const int32_t t0 = tile * kAttentionTileTokens;
               const int valid = min(body.tokens - t0, kAttentionTileTokens);
               const int32_t first_key = body.start + t0;
@@ -598,9 +597,11 @@ __global__ void __launch_bounds__(kExtendThreads, 2) extend_attention_kernel(con
     }
   }
   bf16_segment(recent, sink_tiles + body_tiles);
+  __syncthreads();  // every warp is done with the q rows, which now take the warps' o
 
-  // 4. This warp's rows: sums over each row's 4 lanes, the normalized o through shared memory
-  // (its q rows are dead) for coalesced stores, and the lse, as the chunk's partial state.
+  // 4. Each warp's unnormalized o + offset (through shared memory: its slot of the q rows)
+  // and its m, l per row; then the first replica of each row group merges its group's
+  // replicas exactly and writes the block's partial state, with coalesced stores.
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -609,42 +610,85 @@ __global__ void __launch_bounds__(kExtendThreads, 2) extend_attention_kernel(con
       st.offset[i] += __shfl_xor_sync(kFullMask, st.offset[i], mask);
     }
   }
-  float* wo = q_rows + 16 * warp * D;  // this warp's 16 rows: only it read them
-  __syncwarp();
+  float* slot_o = q_rows;  // [warps][16][D]
+  float* stat_m = reinterpret_cast<float*>(smem + L::stats);  // [warps][16]
+  float* stat_w = stat_m + kExtendWarps * 16;                   // l, then the merge weights
+  {
+    float* wo = slot_o + 16 * warp * D;
 #pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
+    for (int nt = 0; nt < D / 8; ++nt) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int i = c >> 1;
-      const float inv = st.l[i] == 0.0f ? 0.0f : 1.0f / st.l[i];  // NaN stays NaN
-      wo[(r + 8 * i) * D + value_channel<D>(2 * j + (c & 1), nt)] = (st.o[nt][c] + st.offset[i]) * inv;
+      for (int c = 0; c < 4; ++c) {
+        wo[(r + 8 * (c >> 1)) * D + value_channel<D>(2 * j + (c & 1), nt)] = st.o[nt][c] + st.offset[c >> 1];
+      }
+    }
+    if (j == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        stat_m[warp * 16 + r + 8 * i] = warp_active ? st.m[i] : -INFINITY;
+        stat_w[warp * 16 + r + 8 * i] = warp_active ? st.l[i] : 0.0f;
+      }
     }
   }
-  __syncwarp();
+  __syncthreads();
+  if (replica != 0) return;
   const size_t slot = size_t(item_index) * num_kv_heads + head;
-  float* out_o = args.partial_o + (slot * kExtendRows + 16 * warp) * D;
-  for (int idx = lane; idx < 16 * D / 4; idx += 32) {
-    reinterpret_cast<float4*>(out_o)[idx] = reinterpret_cast<const float4*>(wo)[idx];
-  }
-  if (j == 0) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      args.partial_lse[slot * kExtendRows + 16 * warp + r + 8 * i] =
-          st.l[i] == 0.0f ? -INFINITY : st.m[i] + log2f(st.l[i]);
+  if (lane < 16) {
+    // Row `lane` of the group: weights 2^(m_k - M) / L of its replicas, and the lse.
+    float m = -INFINITY;
+    for (int k = 0; k < replicas; ++k) m = fmaxf(m, stat_m[(group + k * row_groups) * 16 + lane]);
+    float l = 0.0f;
+    if (m != -INFINITY) {
+      for (int k = 0; k < replicas; ++k) {
+        const int w = (group + k * row_groups) * 16 + lane;
+        l += exp2f(stat_m[w] - m) * stat_w[w];
+      }
     }
+    for (int k = 0; k < replicas; ++k) {
+      const int w = (group + k * row_groups) * 16 + lane;
+      stat_w[w] = l == 0.0f ? 0.0f : exp2f(stat_m[w] - m) / l;  // NaN stays NaN
+    }
+    args.partial_lse[slot * kExtendRows + 16 * group + lane] = l == 0.0f ? -INFINITY : m + log2f(l);
+  }
+  __syncwarp();
+  float* out_o = args.partial_o + (slot * kExtendRows + 16 * group) * D;
+  for (int idx = lane; idx < 16 * D; idx += 32) {
+    const int row = idx / D;
+    float o = 0.0f;
+    for (int k = 0; k < replicas; ++k) {
+      const int w = group + k * row_groups;
+      o += stat_w[w * 16 + row] * slot_o[w * 16 * D + idx];
+    }
+    out_o[idx] = o;
   }
 }
 
 // Merges the chunks of a (request, row tile) exactly (weights 2^(lse_k - lse)), un-rotates
-// by R_Vᵀ and writes bf16 o and the natural-log lse. Grid: items x KV heads x (64 / 4) row
-// groups; blocks of items that are not the first chunk of their tile return at once.
-inline constexpr int kMergeRows = 4;
+// by R_Vᵀ and writes bf16 o and the natural-log lse. Grid: items x KV heads x (64 / 16) row
+// groups; blocks of items that are not the first chunk of their tile return at once. R_V is
+// staged (transposed) in shared memory with one round of coalesced loads: read straight from
+// global memory, each thread's row of R_V was a chain of dependent cold-cache loads (~30 us
+// for one 16-token extend on the H200).
+inline constexpr int kMergeRows = 16;
+inline constexpr int kMergeThreads = 256;
 
 template <int D>
-__global__ void __launch_bounds__(128) extend_merge_kernel(const ExtendArgs args) {
-  __shared__ float w[kMaxAttentionChunks][kMergeRows];
-  __shared__ float o[kMergeRows][D];
-  __shared__ float lse[kMergeRows];
+struct MergeLayout {
+  static constexpr size_t rotation = 0;                                     // float [D][D], R_Vᵀ
+  static constexpr size_t o = rotation + sizeof(float) * D * D;             // float [16][D]
+  static constexpr size_t w = o + sizeof(float) * kMergeRows * D;           // float [chunks][16]
+  static constexpr size_t lse = w + sizeof(float) * kMaxAttentionChunks * kMergeRows;  // float [16]
+  static constexpr size_t bytes = lse + sizeof(float) * kMergeRows;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const ExtendArgs args) {
+  using L = MergeLayout<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* rot_t = reinterpret_cast<float*>(smem + L::rotation);
+  float* o = reinterpret_cast<float*>(smem + L::o);
+  float* w = reinterpret_cast<float*>(smem + L::w);
+  float* lse = reinterpret_cast<float*>(smem + L::lse);
   const AttentionWorkItem item = args.items[blockIdx.x];
   if (item.first_item != int32_t(blockIdx.x)) return;
   const PagedAttentionParams& p = args.p;
@@ -658,59 +702,71 @@ __global__ void __launch_bounds__(128) extend_merge_kernel(const ExtendArgs args
   const int rows = min(kMergeRows, n_rows - row0);
   const int chunks = item.num_chunks;
   const int tid = threadIdx.x;
+  if (p.output_unrotation) {
+    // rot_t[k][i] = R_V[i][k]: coalesced float4 reads of R_V's rows, all in flight at once.
+    // Consecutive threads take consecutive rows i, so the transposed stores hit distinct banks.
+    for (int idx = tid; idx < D * D / 4; idx += kMergeThreads) {
+      const int i = idx % D, k4 = idx / D;
+      const float4 v = __ldg(reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D) + k4);
+      rot_t[(4 * k4 + 0) * D + i] = v.x;
+      rot_t[(4 * k4 + 1) * D + i] = v.y;
+      rot_t[(4 * k4 + 2) * D + i] = v.z;
+      rot_t[(4 * k4 + 3) * D + i] = v.w;
+    }
+  }
   auto slot_of = [&](int k) { return (size_t(item.first_item + k) * num_kv_heads + head) * kExtendRows + tile_row0; };
-  for (int idx = tid; idx < chunks * kMergeRows; idx += blockDim.x) {
-    w[idx / kMergeRows][idx % kMergeRows] = args.partial_lse[slot_of(idx / kMergeRows) + idx % kMergeRows];
+  for (int idx = tid; idx < chunks * kMergeRows; idx += kMergeThreads) {
+    w[idx] = args.partial_lse[slot_of(idx / kMergeRows) + idx % kMergeRows];
   }
   __syncthreads();
   if (tid < kMergeRows) {
     float m = -INFINITY;
-    for (int k = 0; k < chunks; ++k) m = fmaxf(m, w[k][tid]);
+    for (int k = 0; k < chunks; ++k) m = fmaxf(m, w[k * kMergeRows + tid]);
     float sum = 0.0f;
     if (m != -INFINITY) {
-      for (int k = 0; k < chunks; ++k) sum += exp2f(w[k][tid] - m);  // -inf: 0
+      for (int k = 0; k < chunks; ++k) sum += exp2f(w[k * kMergeRows + tid] - m);  // -inf: 0
     }
     lse[tid] = sum == 0.0f ? -INFINITY : m + log2f(sum);
   }
   __syncthreads();
-  for (int idx = tid; idx < chunks * kMergeRows; idx += blockDim.x) {
+  for (int idx = tid; idx < chunks * kMergeRows; idx += kMergeThreads) {
     const float l = lse[idx % kMergeRows];
-    float& wk = w[idx / kMergeRows][idx % kMergeRows];
-    wk = l == -INFINITY ? 0.0f : exp2f(wk - l);
+    w[idx] = l == -INFINITY ? 0.0f : exp2f(w[idx] - l);
   }
   __syncthreads();
-  for (int idx = tid; idx < kMergeRows * D; idx += blockDim.x) {
+  // Σ_k w_k·o_k with eight chunks' loads in flight per element (one at a time, the loop is a
+  // chain of L2 round trips).
+  const size_t chunk_stride = size_t(num_kv_heads) * kExtendRows * D;
+  for (int idx = tid; idx < kMergeRows * D; idx += kMergeThreads) {
     const int rr = idx / D;
+    const float* base = args.partial_o + slot_of(0) * D + idx;
     float acc = 0.0f;
-    for (int k = 0; k < chunks; ++k) acc += w[k][rr] * args.partial_o[slot_of(k) * D + idx];
-    o[rr][idx % D] = acc;
+    int k = 0;
+    for (; k + 8 <= chunks; k += 8) {
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = __ldcg(base + (k + e) * chunk_stride);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += w[(k + e) * kMergeRows + rr] * v[e];
+    }
+    for (; k < chunks; ++k) acc += w[k * kMergeRows + rr] * __ldcg(base + k * chunk_stride);
+    o[idx] = acc;
   }
   __syncthreads();
-  for (int i = tid; i < D; i += blockDim.x) {
-    float out[kMergeRows];
+  // Thread (i, part): output channel i of rows part, part + P, ... (P = threads / D).
+  constexpr int kParts = kMergeThreads / D;
+  const int i = tid % D, part = tid / D;
+  for (int rr = part; rr < rows; rr += kParts) {
+    float out = 0.0f;
     if (p.output_unrotation) {
-#pragma unroll
-      for (int rr = 0; rr < kMergeRows; ++rr) out[rr] = 0.0f;
-      const float4* rv_row = reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D);
-      for (int k4 = 0; k4 < D / 4; ++k4) {
-        const float4 rv = __ldg(rv_row + k4);
-#pragma unroll
-        for (int rr = 0; rr < kMergeRows; ++rr) {
-          out[rr] = fmaf(o[rr][4 * k4], rv.x, out[rr]);
-          out[rr] = fmaf(o[rr][4 * k4 + 1], rv.y, out[rr]);
-          out[rr] = fmaf(o[rr][4 * k4 + 2], rv.z, out[rr]);
-          out[rr] = fmaf(o[rr][4 * k4 + 3], rv.w, out[rr]);
-        }
-      }
+#pragma unroll 8
+      for (int k = 0; k < D; ++k) out = fmaf(o[rr * D + k], rot_t[k * D + i], out);
     } else {
-#pragma unroll
-      for (int rr = 0; rr < kMergeRows; ++rr) out[rr] = o[rr][i];
+      out = o[rr * D + i];
     }
-    for (int rr = 0; rr < rows; ++rr) {
-      const int32_t gr = row0 + rr;
-      const int64_t qrow = int64_t{q_begin + gr / g} * p.num_qo_heads + head * g + gr % g;
-      reinterpret_cast<__nv_bfloat16*>(p.out)[qrow * D + i] = __float2bfloat16_rn(out[rr]);
-    }
+    const int32_t gr = row0 + rr;
+    const int64_t qrow = int64_t{q_begin + gr / g} * p.num_qo_heads + head * g + gr % g;
+    reinterpret_cast<__nv_bfloat16*>(p.out)[qrow * D + i] = __float2bfloat16_rn(out);
   }
   if (p.lse && tid < rows) {
     const int32_t gr = row0 + tid;
@@ -719,33 +775,56 @@ __global__ void __launch_bounds__(128) extend_merge_kernel(const ExtendArgs args
   }
 }
 
-// q·R_K of every query row of the batch, once, in float ([tokens][qo_heads][D]): the extend
-// blocks of every chunk then read the rotated rows instead of each rotating its own.
-inline constexpr int kRotateRows = 8;
+// q·R_K of every query row of the batch, once, in float ([rows][D], rows = tokens x qo
+// heads): the attention blocks of every chunk then read the rotated rows instead of each
+// rotating its own. R_K is staged in shared memory (kK of its rows at a time) by rounds of
+// coalesced loads: a per-thread column walk through global memory is a chain of cold-cache
+// latencies.
+inline constexpr int kRotateRows = 32;
+inline constexpr int kRotateThreads = 256;
 
 template <int D>
-__global__ void __launch_bounds__(128) rotate_queries_kernel(const bf16_t* q, const float* rotation, int64_t rows,
-                                                             float* rotated) {
-  __shared__ float qs[kRotateRows][D];
+struct RotateLayout {
+  static constexpr int kK = D <= 128 ? D : 64;                    // rows of R_K per round
+  static constexpr size_t rotation = 0;                          // float [kK][D]
+  static constexpr size_t q = sizeof(float) * kK * D;             // float [32][D]
+  static constexpr size_t bytes = q + sizeof(float) * kRotateRows * D;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kRotateThreads) rotate_queries_kernel(const bf16_t* q, const float* rotation,
+                                                                        int64_t rows, float* rotated) {
+  using L = RotateLayout<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* rs = reinterpret_cast<float*>(smem + L::rotation);
+  float* qs = reinterpret_cast<float*>(smem + L::q);
   const int64_t row0 = int64_t{blockIdx.x} * kRotateRows;
-  for (int idx = threadIdx.x; idx < kRotateRows * D; idx += blockDim.x) {
+  for (int idx = threadIdx.x; idx < kRotateRows * D; idx += kRotateThreads) {
     const int64_t row = row0 + idx / D;
-    qs[idx / D][idx % D] =
-        row < rows ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(q + row * D + idx % D)) : 0.0f;
+    qs[idx] = row < rows ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(q + row * D + idx % D)) : 0.0f;
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float acc[kRotateRows] = {};
-#pragma unroll 8
-    for (int k = 0; k < D; ++k) {
-      const float rk = __ldg(rotation + k * D + i);
-#pragma unroll
-      for (int rr = 0; rr < kRotateRows; ++rr) acc[rr] = fmaf(qs[rr][k], rk, acc[rr]);
+  // Thread (i, part): channel i of rows part, part + P, ... (P = threads / D).
+  constexpr int kParts = kRotateThreads / D;
+  constexpr int kRowsPerThread = kRotateRows / kParts;
+  const int i = threadIdx.x % D, part = threadIdx.x / D;
+  float acc[kRowsPerThread] = {};
+  for (int k0 = 0; k0 < D; k0 += L::kK) {
+    __syncthreads();  // the previous round is consumed
+    for (int idx = threadIdx.x; idx < L::kK * D / 4; idx += kRotateThreads) {
+      reinterpret_cast<float4*>(rs)[idx] = __ldg(reinterpret_cast<const float4*>(rotation + size_t(k0) * D) + idx);
     }
+    __syncthreads();
+#pragma unroll 4
+    for (int k = 0; k < L::kK; ++k) {
+      const float rk = rs[k * D + i];
 #pragma unroll
-    for (int rr = 0; rr < kRotateRows; ++rr) {
-      if (row0 + rr < rows) rotated[(row0 + rr) * D + i] = acc[rr];
+      for (int rr = 0; rr < kRowsPerThread; ++rr) acc[rr] = fmaf(qs[(part + rr * kParts) * D + k0 + k], rk, acc[rr]);
     }
+  }
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerThread; ++rr) {
+    const int64_t row = row0 + part + rr * kParts;
+    if (row < rows) rotated[row * D + i] = acc[rr];
   }
 }
 

@@ -18,9 +18,10 @@
 //   one PRMT per 2x16 codes.
 // - BF16 tiles (sink/window, or a whole BF16 cache: our BF16 baseline) go through the same
 //   state; q is split into bf16 hi + lo parts there so the score keeps ~16 bits.
-// - Each warp owns every 8th tile of the block's chunk and its own online-softmax state; the
+// - Each warp owns every kWarps-th tile of the block's chunk and its own online-softmax state; the
 //   block merges its warps, and the last block of a split request (arrival counter) merges the
-//   chunks and un-rotates the output. One launch, no host sync, no allocation.
+//   chunks and un-rotates the output. One launch, no host sync, no allocation. (Extends of
+//   many rows run the row-tiled kernels of extend_attention.cuh instead: three launches.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -882,6 +883,22 @@ inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_d
                        "attention_plan_options_for_device: occupancy");
   }));
   options.target_blocks_per_sm = std::max(1, resident);
+  int extend_resident = 0;
+  if (head_dim <= 128) {
+    OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
+      if constexpr (D <= 128) {
+        const size_t smem = ExtendLayout<D>::bytes;
+        OSCAR_RETURN_IF_ERROR(cuda_status(
+            cudaFuncSetAttribute(extend_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            "attention_plan_options_for_device: extend shared memory attribute"));
+        return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&extend_resident, extend_attention_kernel<D>,
+                                                                         kExtendThreads, smem),
+                           "attention_plan_options_for_device: extend occupancy");
+      }
+      return Status::Ok();
+    }));
+  }
+  options.target_extend_blocks_per_sm = std::max(1, extend_resident);
   return options;
 }
 
@@ -976,7 +993,13 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
         const int64_t rows = plan.num_query_tokens * shape.num_qo_heads;
         if (params.q_rotation && rows > 0) {
           const unsigned blocks = static_cast<unsigned>((rows + kRotateRows - 1) / kRotateRows);
-          rotate_queries_kernel<D><<<blocks, 128, 0, stream>>>(params.q, params.q_rotation, rows, w.rotated_q);
+          const size_t rotate_smem = RotateLayout<D>::bytes;
+          OSCAR_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(rotate_queries_kernel<D>,
+                                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                                 int(rotate_smem)),
+                                            "paged_attention: query rotation shared memory attribute"));
+          rotate_queries_kernel<D><<<blocks, kRotateThreads, rotate_smem, stream>>>(params.q, params.q_rotation, rows,
+                                                                                   w.rotated_q);
           OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "paged_attention: query rotation launch"));
         }
         const size_t smem = ExtendLayout<D>::bytes;
@@ -987,7 +1010,11 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
         extend_attention_kernel<D><<<grid, kExtendThreads, smem, stream>>>(ea);
         OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "paged_attention: extend launch"));
         const dim3 merge_grid(grid.x, grid.y, kExtendRows / kMergeRows);
-        extend_merge_kernel<D><<<merge_grid, 128, 0, stream>>>(ea);
+        const size_t merge_smem = MergeLayout<D>::bytes;
+        OSCAR_RETURN_IF_ERROR(cuda_status(
+            cudaFuncSetAttribute(extend_merge_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(merge_smem)),
+            "paged_attention: extend merge shared memory attribute"));
+        extend_merge_kernel<D><<<merge_grid, kMergeThreads, merge_smem, stream>>>(ea);
         return cuda_status(cudaGetLastError(), "paged_attention: extend merge launch");
       }
     });

@@ -17,7 +17,7 @@ struct PagedAttentionParams {
   const bf16_t* q = nullptr;
   // [batch_size + 1] (device), for extend plans; null for decode plans.
   const int32_t* qo_indptr = nullptr;
-  // R_K, float32 [head_dim, head_dim] row-major: the kernel rotates q (q·R_K). Null: q is
+  // R_K, float32 [head_dim, head_dim] row-major: the kernels rotate q (q·R_K). Null: q is
   // already in the keys' basis (the engine rotated it, or the cache is unrotated).
   const float* q_rotation = nullptr;
   // R_V, float32 [head_dim, head_dim] row-major: the kernel un-rotates the output (o·R_Vᵀ).
