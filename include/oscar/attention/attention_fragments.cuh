@@ -179,5 +179,92 @@ OSCAR_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
+// The part [begin, end) of a segment, whose tiles are numbered from first_tile in the
+// request, that a work item's chunk covers, in the segment's own tile numbers.
+OSCAR_DEVICE void chunk_tile_range(const AttentionWorkItem& item, const SegmentPages& seg, int32_t first_tile,
+                                   int32_t& begin, int32_t& end) {
+  begin = max(item.tile_begin - first_tile, 0);
+  end = min(item.tile_end - first_tile, static_cast<int32_t>(attention_tiles(seg.tokens)));
+}
+
+// ---- value fragments (both kernels) ---------------------------------------------------------
+// A lane (r, j) holds the values of tokens 2j, 2j+1 (pair 0) and 2j+8, 2j+9 (pair 1) of a
+// 16-token tile, channels value_channel(r, ·). Its registers c01[i] / c89[i] hold two tokens'
+// value at one channel: the A fragments of Vᵀ in the decode kernel, the B fragments of V in
+// the extend kernel, register for register.
+
+// 32-bit words of codes one lane reads per token: key bytes [j·D/16, (j+1)·D/16) and value
+// bytes [r·D/32, (r+1)·D/32) (2 bytes at D = 64, read as one 16-bit load).
+template <int D>
+struct LaneCodeWords {
+  static constexpr int kKWords = D / 64;
+  static constexpr int kVBytes = D / 32;
+  static constexpr int kVWords = kVBytes >= 4 ? kVBytes / 4 : 1;
+};
+
+// INT2 values: registers u·8 .. u·8+7 (unit u of D/64) as exact fp16 codes, from the value
+// bytes vw[token] of tokens 2j, 2j+1, 2j+8, 2j+9 (one PRMT interleaves two tokens' bytes).
+template <int D>
+OSCAR_DEVICE void int2_value_codes(const uint32_t (&vw)[4][LaneCodeWords<D>::kVWords], int u, uint32_t (&c01)[8],
+                                   uint32_t (&c89)[8]) {
+  uint32_t x[2];
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {
+    const uint32_t* t0 = vw[2 * pair];
+    const uint32_t* t1 = vw[2 * pair + 1];
+    if constexpr (LaneCodeWords<D>::kVBytes == 2) {
+      x[pair] = t0[0] | (t1[0] << 16);
+    } else {
+      x[pair] = __byte_perm(t0[u / 2], t1[u / 2], u % 2 ? 0x7632 : 0x5410);
+    }
+  }
+  const uint32_t xlo0 = x[0], xhi0 = x[0] >> 8, xlo1 = x[1], xhi1 = x[1] >> 8;
+  c01[0] = unpack_field<0>(xlo0); c01[1] = unpack_field<1>(xlo0);
+  c01[2] = unpack_field<2>(xlo0); c01[3] = unpack_field<3>(xlo0);
+  c01[4] = unpack_field<0>(xhi0); c01[5] = unpack_field<1>(xhi0);
+  c01[6] = unpack_field<2>(xhi0); c01[7] = unpack_field<3>(xhi0);
+  c89[0] = unpack_field<0>(xlo1); c89[1] = unpack_field<1>(xlo1);
+  c89[2] = unpack_field<2>(xlo1); c89[3] = unpack_field<3>(xlo1);
+  c89[4] = unpack_field<0>(xhi1); c89[5] = unpack_field<1>(xhi1);
+  c89[6] = unpack_field<2>(xhi1); c89[7] = unpack_field<3>(xhi1);
+}
+
+// BF16 values: the lane's channels of tokens 2j, 2j+1, 2j+8, 2j+9 of a tile (zero past
+// `valid`), vw[token][field k][word], straight from the pool.
+template <int D>
+OSCAR_DEVICE void load_bf16_values(const Bf16PoolRef& vpool, int32_t head, const TileHalves& th, int valid, int lane,
+                                   uint32_t (&vw)[4][4][D / 64]) {
+  const int r = lane / 4, j = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const bool ok = th.present[half] && 2 * j + t + 8 * half < valid;
+      const bf16_t* row = vpool.row(th.page[half], head, th.slot[half] + 2 * j + t);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (ok) {
+          load_words<true>(row + r * (D / 32) + k * (D / 4), vw[2 * half + t][k]);
+        } else {
+#pragma unroll
+          for (int w = 0; w < D / 64; ++w) vw[2 * half + t][k][w] = 0;
+        }
+      }
+    }
+  }
+}
+
+// Registers wi·8 .. wi·8+7 of the loaded BF16 values, two tokens per register.
+template <int D>
+OSCAR_DEVICE void bf16_value_pairs(const uint32_t (&vw)[4][4][D / 64], int wi, uint32_t (&c01)[8], uint32_t (&c89)[8]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    c01[k] = __byte_perm(vw[0][k][wi], vw[1][k][wi], 0x5410);
+    c01[4 + k] = __byte_perm(vw[0][k][wi], vw[1][k][wi], 0x7632);
+    c89[k] = __byte_perm(vw[2][k][wi], vw[3][k][wi], 0x5410);
+    c89[4 + k] = __byte_perm(vw[2][k][wi], vw[3][k][wi], 0x7632);
+  }
+}
+
 }  // namespace attention_detail
 }  // namespace oscar

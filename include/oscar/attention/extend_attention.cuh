@@ -54,15 +54,6 @@ inline constexpr int kExtendMinBlocks = OSCAR_EXTEND_MIN_BLOCKS_PER_SM;
 inline constexpr int kExtendMinBlocks = 3;
 #endif
 
-// 32-bit words of codes one lane reads per token: key bytes [j·D/16, (j+1)·D/16) and value
-// bytes [r·D/32, (r+1)·D/32) (2 bytes at D = 64, read as one 16-bit load).
-template <int D>
-struct LaneCodeWords {
-  static constexpr int kKWords = D / 64;
-  static constexpr int kVBytes = D / 32;
-  static constexpr int kVWords = kVBytes >= 4 ? kVBytes / 4 : 1;
-};
-
 // One pipeline stage: K codes [keys][D/4], V codes [keys][D/4], K meta [keys], V meta [keys].
 template <int D>
 struct ExtendStage {
@@ -169,36 +160,13 @@ OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[2][4], bool mask,
   }
 }
 
-// Value codes of tokens 2j, 2j+1 (x01) and 2j+8, 2j+9 (x89) of this lane group's bytes, as the
-// B fragments of n-tile u*8 + idx (exact fp16 codes), then O += P'·C for those n-tiles.
+// O += P'·C for the INT2 value codes of the tile (B fragments from int2_value_codes).
 template <int D>
 OSCAR_DEVICE void int2_values(RowState<D>& st, const uint32_t (&pa)[4], const uint32_t (&vw)[4][LaneCodeWords<D>::kVWords]) {
-  using Raw = LaneCodeWords<D>;
-  constexpr int kUnits = D / 64;
-  uint32_t x[2][kUnits];
 #pragma unroll
-  for (int pair = 0; pair < 2; ++pair) {
-    const uint32_t* t0 = vw[2 * pair];
-    const uint32_t* t1 = vw[2 * pair + 1];
-    if constexpr (Raw::kVBytes == 2) {
-      x[pair][0] = t0[0] | (t1[0] << 16);
-    } else {
-#pragma unroll
-      for (int w = 0; w < Raw::kVWords; ++w) {
-        x[pair][2 * w] = __byte_perm(t0[w], t1[w], 0x5410);
-        x[pair][2 * w + 1] = __byte_perm(t0[w], t1[w], 0x7632);
-      }
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kUnits; ++u) {
-    const uint32_t xlo0 = x[0][u], xhi0 = x[0][u] >> 8, xlo1 = x[1][u], xhi1 = x[1][u] >> 8;
-    const uint32_t c01[8] = {unpack_field<0>(xlo0), unpack_field<1>(xlo0), unpack_field<2>(xlo0),
-                             unpack_field<3>(xlo0), unpack_field<0>(xhi0), unpack_field<1>(xhi0),
-                             unpack_field<2>(xhi0), unpack_field<3>(xhi0)};
-    const uint32_t c89[8] = {unpack_field<0>(xlo1), unpack_field<1>(xlo1), unpack_field<2>(xlo1),
-                             unpack_field<3>(xlo1), unpack_field<0>(xhi1), unpack_field<1>(xhi1),
-                             unpack_field<2>(xhi1), unpack_field<3>(xhi1)};
+  for (int u = 0; u < D / 64; ++u) {
+    uint32_t c01[8], c89[8];
+    int2_value_codes<D>(vw, u, c01, c89);
 #pragma unroll
     for (int idx = 0; idx < 8; ++idx) mma_f16(st.o[u * 8 + idx], pa, c01[idx], c89[idx]);
   }
@@ -336,25 +304,8 @@ OSCAR_DEVICE void extend_bf16_tile(RowState<D>& st, const float* qr0, const floa
       krow[n][blk] = ok ? __ldg(reinterpret_cast<const uint4*>(row + blk * 32 + 8 * j)) : make_uint4(0, 0, 0, 0);
     }
   }
-  // Values: channels value_channel(r, ·) of tokens 2j, 2j+1, 2j+8, 2j+9 (as the decode kernel).
   uint32_t vw[4][4][kVWords];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const bool ok = th.present[half] && 2 * j + t + 8 * half < valid;
-      const bf16_t* row = vpool.row(th.page[half], head, th.slot[half] + 2 * j + t);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (ok) {
-          load_words<true>(row + r * (D / 32) + k * (D / 4), vw[2 * half + t][k]);
-        } else {
-#pragma unroll
-          for (int w = 0; w < kVWords; ++w) vw[2 * half + t][k][w] = 0;
-        }
-      }
-    }
-  }
+  load_bf16_values<D>(vpool, head, th, valid, lane, vw);
   float acc[2][4] = {}, acc_lo[2][4] = {};
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
@@ -380,13 +331,7 @@ OSCAR_DEVICE void extend_bf16_tile(RowState<D>& st, const float* qr0, const floa
 #pragma unroll
   for (int wi = 0; wi < kVWords; ++wi) {
     uint32_t c01[8], c89[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      c01[k] = __byte_perm(vw[0][k][wi], vw[1][k][wi], 0x5410);
-      c01[4 + k] = __byte_perm(vw[0][k][wi], vw[1][k][wi], 0x7632);
-      c89[k] = __byte_perm(vw[2][k][wi], vw[3][k][wi], 0x5410);
-      c89[4 + k] = __byte_perm(vw[2][k][wi], vw[3][k][wi], 0x7632);
-    }
+    bf16_value_pairs<D>(vw, wi, c01, c89);
 #pragma unroll
     for (int idx = 0; idx < 8; ++idx) mma_bf16(st.o[wi * 8 + idx], pa, c01[idx], c89[idx]);
   }
@@ -540,13 +485,9 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   const float scale2 = args.scale2;
   const int32_t sink_tiles = static_cast<int32_t>(attention_tiles(sink.tokens));
   const int32_t body_tiles = static_cast<int32_t>(attention_tiles(body.tokens));
-  auto chunk_tiles = [&](const SegmentPages& seg, int32_t first_tile, int32_t& begin, int32_t& end) {
-    begin = max(item.tile_begin - first_tile, 0);
-    end = min(item.tile_end - first_tile, static_cast<int32_t>(attention_tiles(seg.tokens)));
-  };
   auto bf16_segment = [&](const SegmentPages& seg, int32_t first_tile) {
     int32_t begin, end;
-    chunk_tiles(seg, first_tile, begin, end);
+    chunk_tile_range(item, seg, first_tile, begin, end);
     if (!warp_active) return;
     for (int32_t t = begin + replica; t < end; t += replicas) {
       const int32_t t0 = t * kAttentionTileTokens;
@@ -560,7 +501,7 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   bf16_segment(sink, 0);
   {
     int32_t begin, end;
-    chunk_tiles(body, sink_tiles, begin, end);
+    chunk_tile_range(item, body, sink_tiles, begin, end);
     if (begin < end) {
       const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
       const uint32_t stage0 = smem_address(stages);

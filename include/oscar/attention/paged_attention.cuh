@@ -146,9 +146,9 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
 // the metadata of those tokens, value rows 2j, 2j+1, 2j+8, 2j+9.
 template <int D>
 struct Int2TileRaw {
-  static constexpr int kKWords = D / 64;  // key words per lane per token
-  static constexpr int kVBytes = D / 32;  // value bytes per lane per token
-  static constexpr int kVWords = kVBytes >= 4 ? kVBytes / 4 : 1;
+  static constexpr int kKWords = LaneCodeWords<D>::kKWords;  // key words per lane per token
+  static constexpr int kVBytes = LaneCodeWords<D>::kVBytes;  // value bytes per lane per token
+  static constexpr int kVWords = LaneCodeWords<D>::kVWords;
   uint32_t kw[2][kKWords];
   uint32_t kmeta[2], vmeta[2];
   uint32_t vw[4][kVWords];
@@ -279,8 +279,6 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], c
                             const Int2TileRaw<D>& raw, TileContext& tc, float scale2, int lane) {
   using Raw = Int2TileRaw<D>;
   constexpr int kKWords = Raw::kKWords;
-  constexpr int kVBytes = Raw::kVBytes;
-  constexpr int kVWords = Raw::kVWords;
   constexpr int kUnits = D / 64;  // 16-bit value units per lane per token
   const int r = lane / 4;
   tc.valid = raw.valid;
@@ -337,33 +335,10 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], c
   const uint32_t b1 = transpose8x8(pack_half2(s[1][0] * sv[1], s[1][1] * sv[1]));
 
   // Values: token pairs (2j, 2j+1) and (2j+8, 2j+9) interleaved into one register per unit.
-  uint32_t x[2][kUnits];
-#pragma unroll
-  for (int pair = 0; pair < 2; ++pair) {
-    const uint32_t* t0 = vw[2 * pair];
-    const uint32_t* t1 = vw[2 * pair + 1];
-    if constexpr (kVBytes == 2) {
-      x[pair][0] = t0[0] | (t1[0] << 16);
-    } else {
-#pragma unroll
-      for (int w = 0; w < kVWords; ++w) {
-        x[pair][2 * w] = __byte_perm(t0[w], t1[w], 0x5410);
-        x[pair][2 * w + 1] = __byte_perm(t0[w], t1[w], 0x7632);
-      }
-    }
-  }
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
     uint32_t c01[8], c89[8];  // registers u*8 .. u*8+7 of the two token pairs
-    const uint32_t xlo0 = x[0][u], xhi0 = x[0][u] >> 8, xlo1 = x[1][u], xhi1 = x[1][u] >> 8;
-    c01[0] = unpack_field<0>(xlo0); c01[1] = unpack_field<1>(xlo0);
-    c01[2] = unpack_field<2>(xlo0); c01[3] = unpack_field<3>(xlo0);
-    c01[4] = unpack_field<0>(xhi0); c01[5] = unpack_field<1>(xhi0);
-    c01[6] = unpack_field<2>(xhi0); c01[7] = unpack_field<3>(xhi0);
-    c89[0] = unpack_field<0>(xlo1); c89[1] = unpack_field<1>(xlo1);
-    c89[2] = unpack_field<2>(xlo1); c89[3] = unpack_field<3>(xlo1);
-    c89[4] = unpack_field<0>(xhi1); c89[5] = unpack_field<1>(xhi1);
-    c89[6] = unpack_field<2>(xhi1); c89[7] = unpack_field<3>(xhi1);
+    int2_value_codes<D>(vw, u, c01, c89);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
@@ -394,24 +369,7 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
   }
   // Values: channels value_channel(r, ·) of tokens 2j, 2j+1, 2j+8, 2j+9.
   uint32_t vw[4][4][kVWords];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int row_in_tile = 2 * j + t + 8 * half;
-      const bool ok = th.present[half] && row_in_tile < tc.valid;
-      const bf16_t* row = vpool.row(th.page[half], head, th.slot[half] + 2 * j + t);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (ok) {
-          load_words<true>(row + r * (D / 32) + k * (D / 4), vw[2 * half + t][k]);
-        } else {
-#pragma unroll
-          for (int w = 0; w < kVWords; ++w) vw[2 * half + t][k][w] = 0;
-        }
-      }
-    }
-  }
+  load_bf16_values<D>(vpool, head, th, tc.valid, lane, vw);
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
     const uint4 r0 = krow[0][s / 2], r1 = krow[1][s / 2];
@@ -432,13 +390,7 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
 #pragma unroll
   for (int wi = 0; wi < kVWords; ++wi) {
     uint32_t c01[8], c89[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      c01[k] = __byte_perm(vw[0][k][wi], vw[1][k][wi], 0x5410);
-      c01[4 + k] = __byte_perm(vw[0][k][wi], vw[1][k][wi], 0x7632);
-      c89[k] = __byte_perm(vw[2][k][wi], vw[3][k][wi], 0x5410);
-      c89[4 + k] = __byte_perm(vw[2][k][wi], vw[3][k][wi], 0x7632);
-    }
+    bf16_value_pairs<D>(vw, wi, c01, c89);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
@@ -615,14 +567,9 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   const float scale2 = args.scale2;
   const int32_t sink_tiles = static_cast<int32_t>(attention_tiles(sink.tokens));
   const int32_t body_tiles = static_cast<int32_t>(attention_tiles(body.tokens));
-  // The chunk's part of a segment whose tiles start at first_tile, in its own tile numbers.
-  auto chunk_tiles = [&](const SegmentPages& seg, int32_t first_tile, int32_t& begin, int32_t& end) {
-    begin = max(item.tile_begin - first_tile, 0);
-    end = min(item.tile_end - first_tile, static_cast<int32_t>(attention_tiles(seg.tokens)));
-  };
   auto bf16_segment = [&](const SegmentPages& seg, int32_t first_tile) {
     int32_t begin, end;
-    chunk_tiles(seg, first_tile, begin, end);
+    chunk_tile_range(item, seg, first_tile, begin, end);
     for (int32_t t = begin + warp; t < end; t += kWarps) {
       const int32_t t0 = t * kAttentionTileTokens;
       tc.key_position0 = seg.start + t0;
@@ -634,7 +581,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   bf16_segment(sink, 0);
   {
     int32_t begin, end;
-    chunk_tiles(body, sink_tiles, begin, end);
+    chunk_tile_range(item, body, sink_tiles, begin, end);
     if (begin < end) {
       // kInt2Stages tiles per warp: wait for the oldest, compute it, refill its stage.
       const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
