@@ -77,6 +77,15 @@ TEST_CASE("chunks cover every tile once, in order") {
   CHECK(rows->rotated_q_bytes() >= size_t{27} * 32 * 128 * sizeof(float));
   check_cover(*rows, lengths, many);
 
+  // A lower threshold puts the 28-row plan on row tiles too (tests use it to run the
+  // row-tiled kernel on short extends).
+  AttentionPlanOptions low;
+  low.row_tiled_min_rows = 8;
+  auto short_rows = make_attention_plan(headline(), lengths, queries, low);
+  REQUIRE(short_rows.ok());
+  CHECK(short_rows->row_tiled());
+  check_cover(*short_rows, lengths, queries);
+
   // d = 256, or the option off: the column tiles.
   AttentionShape wide = headline();
   wide.head_dim = wide.quant_group_size = 256;

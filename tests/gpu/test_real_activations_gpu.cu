@@ -5,8 +5,9 @@
 // random data only imitates. Checked:
 //   - append + demote on the device are byte-for-byte the CPU reference's pages (prefill in
 //     chunks, then token-by-token decode steps that demote window pages);
-//   - decode and extend read those pages within the tolerance of test_attention_gpu (the
-//     derivation is there: 2% of max|v| worst element, 0.3% mean, lse 2e-3 relative).
+//   - decode and extend (the column and the row-tiled kernel) read those pages within the
+//     tolerance of test_attention_gpu (the derivation is there: 2% of max|v| worst element,
+//     0.3% mean, lse 2e-3 relative).
 // The data is made by scripts/make-real-activations.sh; the test looks for it in
 // $OSCAR_REAL_ACTIVATIONS_DIR (activations.safetensors, plan.safetensors) and exits 77
 // (skipped, never passed) when it is not there.
@@ -150,7 +151,8 @@ using Errors = AttentionErrors;
 // The kernel (rotating q itself, un-rotating the output) against cache.decode / extend with the
 // model's own queries: those of each request's newest `queries[b]` tokens (decode: 1).
 Errors attend(const Fixture& f, const PagedCache& cache, int layer, const std::vector<RequestId>& ids,
-              const std::vector<int64_t>& lengths, const std::vector<int32_t>& query_tokens) {
+              const std::vector<int64_t>& lengths, const std::vector<int32_t>& query_tokens,
+              int32_t row_tiled_min_rows = kAttentionRowTiledMinRows) {
   const CacheConfig& c = cache.config();
   const int d = c.head_dim;
   const bool decode = query_tokens.empty();
@@ -180,6 +182,7 @@ Errors attend(const Fixture& f, const PagedCache& cache, int layer, const std::v
   AttentionShape shape{c.num_qo_heads, c.num_kv_heads, d, c.quant_group_size, c.page_size};
   AttentionPlanOptions options;
   options.min_chunk_bytes = 4096;  // split these ~1K-token requests into several chunks
+  options.row_tiled_min_rows = row_tiled_min_rows;
   auto plan = make_attention_plan(shape, segment_lengths(*tables), query_tokens, options);
   REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
   DeviceArray<uint8_t> workspace(std::max<size_t>(plan->workspace_bytes(), 256));
@@ -232,10 +235,17 @@ TEST_CASE("real SmolLM2 activations: device pages are the reference's, attention
     CAPTURE(kLayers[li]);
     const Errors dec = attend(f, cache, li, ids, lengths, {});
     check_attention_errors(dec);
-    const Errors ext = attend(f, cache, li, ids, lengths, {8, 3});
+    const Errors ext = attend(f, cache, li, ids, lengths, {8, 3});  // 24 rows: the column kernel
     check_attention_errors(ext);
+    // The row-tiled extend kernel: the same short extend forced onto row tiles (one 16-row
+    // group, warps splitting the tiles), and 40 tokens (120 rows, two 64-row tiles) by default.
+    const Errors ext_rows = attend(f, cache, li, ids, lengths, {8, 3}, 8);
+    check_attention_errors(ext_rows);
+    const Errors ext_long = attend(f, cache, li, ids, lengths, {40, 3});
+    check_attention_errors(ext_long);
     MESSAGE("layer " << kLayers[li] << ": decode worst " << dec.worst << " mean " << dec.mean << ", extend worst "
-                     << ext.worst << " mean " << ext.mean);
+                     << ext.worst << " mean " << ext.mean << ", row-tiled extend worst " << ext_rows.worst << " / "
+                     << ext_long.worst);
   }
 }
 

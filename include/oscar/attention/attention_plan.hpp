@@ -28,7 +28,8 @@ inline constexpr int kAttentionTileTokens = 16;
 // One column tile: this many (query token, query head) columns share one pass over the keys
 // (the N dimension of one MMA). A decode step of a GQA group of up to 8 heads is one tile.
 inline constexpr int kAttentionTileColumns = 8;
-// Extend plans where some request has more than kAttentionRowTiledMinRows rows (rows = query
+// Extend plans where some request has more than kAttentionRowTiledMinRows rows (the default of
+// AttentionPlanOptions::row_tiled_min_rows; rows = query
 // tokens x GQA group) run the row-tiled extend kernel instead: 64 rows per block, queries in
 // the MMA's M dimension, so a block reads each key tile once for all its rows
 // (extend_attention.cuh). Head dims <= 128. Below the threshold the column kernel was faster
@@ -56,9 +57,10 @@ struct AttentionPlanOptions {
   // pipeline's fill cost more than they save (H200, B = 1, d = 128, 32K: 48 chunks of 49 KB
   // took 52 us where 32 chunks took 48 us).
   int64_t min_chunk_bytes = 64 * 1024;
-  // Extend plans with more than kAttentionRowTiledMinRows rows in some request run on the
-  // row-tiled extend kernel (false: on the decode kernel's 8-column tiles, as before it).
+  // Extend plans with more than row_tiled_min_rows rows in some request run on the
+  // row-tiled extend kernel (false: always on the decode kernel's 8-column tiles).
   bool row_tiled_extend = true;
+  int32_t row_tiled_min_rows = kAttentionRowTiledMinRows;
   // target_blocks_per_sm for row-tiled extend plans (a different kernel, with its own
   // occupancy). 0: kDefaultTargetBlocksPerSm.
   int32_t target_extend_blocks_per_sm = 0;
@@ -172,7 +174,7 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   for (size_t b = 0; !plan.decode && b < segments.size(); ++b) {
     max_rows = std::max<int64_t>(max_rows, int64_t{query_tokens[b]} * shape.group_size());
   }
-  if (!plan.decode && options.row_tiled_extend && shape.head_dim <= 128 && max_rows > kAttentionRowTiledMinRows) {
+  if (!plan.decode && options.row_tiled_extend && shape.head_dim <= 128 && max_rows > options.row_tiled_min_rows) {
     plan.tile_columns = kAttentionRowTile;
   }
   for (size_t b = 0; b < segments.size(); ++b) {
