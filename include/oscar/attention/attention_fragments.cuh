@@ -187,6 +187,35 @@ OSCAR_DEVICE void chunk_tile_range(const AttentionWorkItem& item, const SegmentP
   end = min(item.tile_end - first_tile, static_cast<int32_t>(attention_tiles(seg.tokens)));
 }
 
+// The row of q, out and lse ([tokens][qo_heads]) of a request's column (or row) c: query token
+// q_begin + c / g, query head head·g + c % g of KV head `head`.
+OSCAR_DEVICE int64_t query_row(int32_t q_begin, int32_t c, int g, int32_t num_qo_heads, int32_t head) {
+  return int64_t{q_begin + c / g} * num_qo_heads + head * g + c % g;
+}
+
+// The exact merge of split chunks, block-wide (every thread calls it; it synchronizes): on
+// entry w[k·C + c] holds chunk k's lse (base 2) of column c and every thread's writes of it
+// are visible; on return lse[c] is the merged lse (-inf: no key in any chunk) and
+// w[k·C + c] = 2^(lse_k - lse), the chunk's weight (0 for an empty column).
+template <int C>
+OSCAR_DEVICE void chunk_merge_weights(float* w, float* lse, int chunks, int tid, int threads) {
+  if (tid < C) {
+    float m = -INFINITY;
+    for (int k = 0; k < chunks; ++k) m = fmaxf(m, w[k * C + tid]);
+    float sum = 0.0f;
+    if (m != -INFINITY) {
+      for (int k = 0; k < chunks; ++k) sum += exp2f(w[k * C + tid] - m);  // -inf: 0
+    }
+    lse[tid] = sum == 0.0f ? -INFINITY : m + log2f(sum);
+  }
+  __syncthreads();
+  for (int idx = tid; idx < chunks * C; idx += threads) {
+    const float l = lse[idx % C];
+    w[idx] = l == -INFINITY ? 0.0f : exp2f(w[idx] - l);
+  }
+  __syncthreads();
+}
+
 // ---- value fragments (both kernels) ---------------------------------------------------------
 // A lane (r, j) holds the values of tokens 2j, 2j+1 (pair 0) and 2j+8, 2j+9 (pair 1) of a
 // 16-token tile, channels value_channel(r, ·). Its registers c01[i] / c89[i] hold two tokens'

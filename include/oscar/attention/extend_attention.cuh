@@ -67,7 +67,6 @@ struct ExtendStage {
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kCodeChunks = 2 * kKeys * kChunksPerRow;  // K and V
   static constexpr int kMetaChunks = 2 * kKeys / 4;              // 4 tokens' words per 16 bytes
-  static constexpr int kChunks = kCodeChunks + kMetaChunks;
   static_assert(kRowBytes % 16 == 0, "whole 16-byte chunks per row");
 };
 
@@ -420,7 +419,7 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     const int32_t gr = row0 + row;
     float v = 0.0f;
     if (gr < n_rows) {
-      const int64_t qrow = int64_t{q_begin + gr / g} * p.num_qo_heads + head * g + gr % g;
+      const int64_t qrow = query_row(q_begin, gr, g, p.num_qo_heads, head);
       v = args.rotated_q ? args.rotated_q[qrow * D + i]
                          : __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p.q + qrow * D + i));
     }
@@ -659,22 +658,8 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
   for (int idx = tid; idx < chunks * kMergeRows; idx += kMergeThreads) {
     w[idx] = args.partial_lse[slot_of(idx / kMergeRows) + idx % kMergeRows];
   }
-  __syncthreads();
-  if (tid < kMergeRows) {
-    float m = -INFINITY;
-    for (int k = 0; k < chunks; ++k) m = fmaxf(m, w[k * kMergeRows + tid]);
-    float sum = 0.0f;
-    if (m != -INFINITY) {
-      for (int k = 0; k < chunks; ++k) sum += exp2f(w[k * kMergeRows + tid] - m);  // -inf: 0
-    }
-    lse[tid] = sum == 0.0f ? -INFINITY : m + log2f(sum);
-  }
-  __syncthreads();
-  for (int idx = tid; idx < chunks * kMergeRows; idx += kMergeThreads) {
-    const float l = lse[idx % kMergeRows];
-    w[idx] = l == -INFINITY ? 0.0f : exp2f(w[idx] - l);
-  }
-  __syncthreads();
+  __syncthreads();  // w and the staged R_V
+  chunk_merge_weights<kMergeRows>(w, lse, chunks, tid, kMergeThreads);
   // Σ_k w_k·o_k with eight chunks' loads in flight per element (one at a time, the loop is a
   // chain of L2 round trips).
   const size_t chunk_stride = size_t(num_kv_heads) * kExtendRows * D;
@@ -706,29 +691,27 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
       out = o[rr * D + i];
     }
     const int32_t gr = row0 + rr;
-    const int64_t qrow = int64_t{q_begin + gr / g} * p.num_qo_heads + head * g + gr % g;
+    const int64_t qrow = query_row(q_begin, gr, g, p.num_qo_heads, head);
     reinterpret_cast<__nv_bfloat16*>(p.out)[qrow * D + i] = __float2bfloat16_rn(out);
   }
   if (p.lse && tid < rows) {
     const int32_t gr = row0 + tid;
-    const int64_t qrow = int64_t{q_begin + gr / g} * p.num_qo_heads + head * g + gr % g;
+    const int64_t qrow = query_row(q_begin, gr, g, p.num_qo_heads, head);
     p.lse[qrow] = lse[tid] * kLn2;
   }
 }
 
 // q·R_K of every query row of the batch, once, in float ([rows][D], rows = tokens x qo
-// heads): the attention blocks of every chunk then read the rotated rows instead of each
-// rotating its own. R_K is staged in shared memory (kK of its rows at a time) by rounds of
-// coalesced loads: a per-thread column walk through global memory is a chain of cold-cache
-// latencies.
+// heads): the extend blocks of every chunk then read the rotated rows instead of each
+// rotating its own. R_K is staged in shared memory by one round of coalesced loads.
 inline constexpr int kRotateRows = 32;
 inline constexpr int kRotateThreads = 256;
 
 template <int D>
 struct RotateLayout {
-  static constexpr int kK = D <= 128 ? D : 64;                    // rows of R_K per round
-  static constexpr size_t rotation = 0;                          // float [kK][D]
-  static constexpr size_t q = sizeof(float) * kK * D;             // float [32][D]
+  static_assert(D <= 128, "the row-tiled extend path runs at head_dim <= 128");
+  static constexpr size_t rotation = 0;                 // float [D][D]
+  static constexpr size_t q = sizeof(float) * D * D;     // float [32][D]
   static constexpr size_t bytes = q + sizeof(float) * kRotateRows * D;
 };
 
@@ -744,23 +727,20 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_queries_kernel(const bf
     const int64_t row = row0 + idx / D;
     qs[idx] = row < rows ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(q + row * D + idx % D)) : 0.0f;
   }
+  for (int idx = threadIdx.x; idx < D * D / 4; idx += kRotateThreads) {
+    reinterpret_cast<float4*>(rs)[idx] = __ldg(reinterpret_cast<const float4*>(rotation) + idx);
+  }
+  __syncthreads();
   // Thread (i, part): channel i of rows part, part + P, ... (P = threads / D).
   constexpr int kParts = kRotateThreads / D;
   constexpr int kRowsPerThread = kRotateRows / kParts;
   const int i = threadIdx.x % D, part = threadIdx.x / D;
   float acc[kRowsPerThread] = {};
-  for (int k0 = 0; k0 < D; k0 += L::kK) {
-    __syncthreads();  // the previous round is consumed
-    for (int idx = threadIdx.x; idx < L::kK * D / 4; idx += kRotateThreads) {
-      reinterpret_cast<float4*>(rs)[idx] = __ldg(reinterpret_cast<const float4*>(rotation + size_t(k0) * D) + idx);
-    }
-    __syncthreads();
 #pragma unroll 4
-    for (int k = 0; k < L::kK; ++k) {
-      const float rk = rs[k * D + i];
+  for (int k = 0; k < D; ++k) {
+    const float rk = rs[k * D + i];
 #pragma unroll
-      for (int rr = 0; rr < kRowsPerThread; ++rr) acc[rr] = fmaf(qs[(part + rr * kParts) * D + k0 + k], rk, acc[rr]);
-    }
+    for (int rr = 0; rr < kRowsPerThread; ++rr) acc[rr] = fmaf(qs[(part + rr * kParts) * D + k], rk, acc[rr]);
   }
 #pragma unroll
   for (int rr = 0; rr < kRowsPerThread; ++rr) {

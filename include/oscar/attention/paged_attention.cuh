@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     float v = 0.0f;
     if (c < valid_cols) {
       const int gc = col0 + c;
-      const int64_t row = int64_t{q_begin + gc / g} * p.num_qo_heads + head * g + gc % g;
+      const int64_t row = query_row(q_begin, gc, g, p.num_qo_heads, head);
       v = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p.q + row * D + i));
     }
     q_in[idx] = v;
@@ -689,21 +689,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
       w[idx] = __ldcg(args.partial_lse + s2 * kCols + idx % kCols);
     }
     __syncthreads();
-    if (tid < kCols) {
-      float m = -INFINITY;
-      for (int k = 0; k < chunks; ++k) m = fmaxf(m, w[k * kCols + tid]);
-      float sum = 0.0f;
-      if (m != -INFINITY) {
-        for (int k = 0; k < chunks; ++k) sum += exp2f(w[k * kCols + tid] - m);  // -inf: 0
-      }
-      final_lse[tid] = sum == 0.0f ? -INFINITY : m + log2f(sum);
-    }
-    __syncthreads();
-    for (int idx = tid; idx < chunks * kCols; idx += kThreads) {
-      const float lse_c = final_lse[idx % kCols];
-      w[idx] = lse_c == -INFINITY ? 0.0f : exp2f(w[idx] - lse_c);
-    }
-    __syncthreads();
+    chunk_merge_weights<kCols>(w, final_lse, chunks, tid, kThreads);
     // Σ_k w_k·o_k for this block's valid columns; four chunks' loads in flight per element.
     for (int idx = tid; idx < valid_cols * D; idx += kThreads) {
       const int c = idx / D;
@@ -747,13 +733,13 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     }
     for (int c = 0; c < valid_cols; ++c) {
       const int gc = col0 + c;
-      const int64_t row = int64_t{q_begin + gc / g} * p.num_qo_heads + head * g + gc % g;
+      const int64_t row = query_row(q_begin, gc, g, p.num_qo_heads, head);
       reinterpret_cast<__nv_bfloat16*>(p.out)[row * D + i] = __float2bfloat16_rn(out[c]);
     }
   }
   if (p.lse && tid < valid_cols) {
     const int gc = col0 + tid;
-    const int64_t row = int64_t{q_begin + gc / g} * p.num_qo_heads + head * g + gc % g;
+    const int64_t row = query_row(q_begin, gc, g, p.num_qo_heads, head);
     p.lse[row] = final_lse[tid] * kLn2;
   }
 }
@@ -830,21 +816,19 @@ inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_d
                        "attention_plan_options_for_device: occupancy");
   }));
   options.target_blocks_per_sm = std::max(1, resident);
-  int extend_resident = 0;
-  if (head_dim <= 128) {
-    OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
-      if constexpr (D <= 128) {
-        const size_t smem = ExtendLayout<D>::bytes;
-        OSCAR_RETURN_IF_ERROR(cuda_status(
-            cudaFuncSetAttribute(extend_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-            "attention_plan_options_for_device: extend shared memory attribute"));
-        return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&extend_resident, extend_attention_kernel<D>,
-                                                                         kExtendThreads, smem),
-                           "attention_plan_options_for_device: extend occupancy");
-      }
-      return Status::Ok();
-    }));
-  }
+  int extend_resident = 0;  // stays 0 where no row-tiled kernel exists (d = 256)
+  OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
+    if constexpr (D <= 128) {
+      const size_t smem = ExtendLayout<D>::bytes;
+      OSCAR_RETURN_IF_ERROR(cuda_status(
+          cudaFuncSetAttribute(extend_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "attention_plan_options_for_device: extend shared memory attribute"));
+      return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&extend_resident, extend_attention_kernel<D>,
+                                                                       kExtendThreads, smem),
+                         "attention_plan_options_for_device: extend occupancy");
+    }
+    return Status::Ok();
+  }));
   options.target_extend_blocks_per_sm = std::max(1, extend_resident);
   return options;
 }
