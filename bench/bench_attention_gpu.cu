@@ -146,7 +146,7 @@ struct Problem {
       options.target_extend_blocks_per_sm = bps;
     }
     // OSCAR_BENCH_ROW_TILED=0 runs extend plans on the decode kernel's column tiles.
-    options.row_tiled_extend = env_int("OSCAR_BENCH_ROW_TILED", 1) != 0;
+    if (env_int("OSCAR_BENCH_ROW_TILED", 1) == 0) options.row_tiled_min_rows = INT32_MAX;
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());

@@ -94,7 +94,7 @@ TEST_CASE("chunks cover every tile once, in order") {
   CHECK(!d256->row_tiled());
   check_cover(*d256, lengths, many);
   AttentionPlanOptions columns;
-  columns.row_tiled_extend = false;
+  columns.row_tiled_min_rows = INT32_MAX;
   auto off = make_attention_plan(headline(), lengths, many, columns);
   REQUIRE(off.ok());
   CHECK(off->tile_columns == kAttentionTileColumns);

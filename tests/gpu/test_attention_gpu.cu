@@ -222,9 +222,10 @@ TEST_CASE("forked requests read the shared prefix pages") {
 }
 
 TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the prompt") {
-  // Plans with more than 8 rows (query tokens x group) in a request run the row-tiled extend
-  // kernel at d <= 128 (64 rows per block); d = 256 and row_tiled_extend = false run the decode
-  // kernel's 8-column tiles. A window shorter than the 40 new tokens puts queries' own keys in
+  // Plans with more than 64 rows (query tokens x group) in a request run the row-tiled extend
+  // kernel at d <= 128 (64 rows per block; the 40-token request has 120-320 rows here, the
+  // short ones' tiles split their keys over the warps); d = 256 and row_tiled_min_rows =
+  // INT32_MAX run the decode kernel's 8-column tiles. A window shorter than the 40 new tokens puts queries' own keys in
   // INT2 pages, so the causal mask bites inside staged INT2 tiles too.
   for (const Shape& s : {Shape{128, 32, 8, 16, 16, 32}, Shape{64, 9, 3, 8, 4, 16}, Shape{128, 16, 2, 32, 0, 16},
                          Shape{256, 8, 2, 16, 16, 32}}) {
@@ -244,7 +245,7 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     many.target_blocks_per_sm = 64;
     check(run_and_compare(cache, ids, n_new, qgen, true, many));
     AttentionPlanOptions columns = many;
-    columns.row_tiled_extend = false;
+    columns.row_tiled_min_rows = INT32_MAX;
     check(run_and_compare(cache, ids, n_new, qgen, true, columns));
   }
 }

@@ -28,15 +28,16 @@ inline constexpr int kAttentionTileTokens = 16;
 // One column tile: this many (query token, query head) columns share one pass over the keys
 // (the N dimension of one MMA). A decode step of a GQA group of up to 8 heads is one tile.
 inline constexpr int kAttentionTileColumns = 8;
-// Extend plans where some request has more than kAttentionRowTiledMinRows rows (the default of
-// AttentionPlanOptions::row_tiled_min_rows; rows = query
-// tokens x GQA group) run the row-tiled extend kernel instead: 64 rows per block, queries in
-// the MMA's M dimension, so a block reads each key tile once for all its rows
-// (extend_attention.cuh). Head dims <= 128. Below the threshold the column kernel was faster
-// on the H200 (32K prefix, g = 4: 16 rows 75 vs 104 us, 64 rows 129 vs 156 us; 256 rows
-// 403 vs 267 us, docs/benchmarks.md).
+// Extend plans where some request has more than AttentionPlanOptions::row_tiled_min_rows rows
+// (rows = query tokens x GQA group; default kAttentionRowTiledMinRows) run the row-tiled
+// extend kernel instead: 64 rows per block, queries in the MMA's M dimension, so a block reads
+// each key tile once for all its rows (extend_attention.cuh), at head dims up to
+// kAttentionRowTiledMaxHeadDim. Below the default threshold the column kernel was faster on
+// the H200 (32K prefix, g = 4: 16 rows 75 vs 104 us, 64 rows 129 vs 156 us; 256 rows 403 vs
+// 267 us, docs/benchmarks.md).
 inline constexpr int kAttentionRowTile = 64;
 inline constexpr int kAttentionRowTiledMinRows = 64;
+inline constexpr int kAttentionRowTiledMaxHeadDim = 128;
 
 struct AttentionShape {
   int32_t num_qo_heads = 0;
@@ -58,8 +59,7 @@ struct AttentionPlanOptions {
   // took 52 us where 32 chunks took 48 us).
   int64_t min_chunk_bytes = 64 * 1024;
   // Extend plans with more than row_tiled_min_rows rows in some request run on the
-  // row-tiled extend kernel (false: always on the decode kernel's 8-column tiles).
-  bool row_tiled_extend = true;
+  // row-tiled extend kernel; INT32_MAX keeps every extend on the decode kernel's 8-column tiles.
   int32_t row_tiled_min_rows = kAttentionRowTiledMinRows;
   // target_blocks_per_sm for row-tiled extend plans (a different kernel, with its own
   // occupancy). 0: kDefaultTargetBlocksPerSm.
@@ -174,7 +174,7 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   for (size_t b = 0; !plan.decode && b < segments.size(); ++b) {
     max_rows = std::max<int64_t>(max_rows, int64_t{query_tokens[b]} * shape.group_size());
   }
-  if (!plan.decode && options.row_tiled_extend && shape.head_dim <= 128 && max_rows > options.row_tiled_min_rows) {
+  if (!plan.decode && shape.head_dim <= kAttentionRowTiledMaxHeadDim && max_rows > options.row_tiled_min_rows) {
     plan.tile_columns = kAttentionRowTile;
   }
   for (size_t b = 0; b < segments.size(); ++b) {

@@ -709,7 +709,7 @@ inline constexpr int kRotateThreads = 256;
 
 template <int D>
 struct RotateLayout {
-  static_assert(D <= 128, "the row-tiled extend path runs at head_dim <= 128");
+  static_assert(D <= kAttentionRowTiledMaxHeadDim, "the row-tiled extend path's head dims");
   static constexpr size_t rotation = 0;                 // float [D][D]
   static constexpr size_t q = sizeof(float) * D * D;     // float [32][D]
   static constexpr size_t bytes = q + sizeof(float) * kRotateRows * D;

@@ -818,7 +818,7 @@ inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_d
   options.target_blocks_per_sm = std::max(1, resident);
   int extend_resident = 0;  // stays 0 where no row-tiled kernel exists (d = 256)
   OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
-    if constexpr (D <= 128) {
+    if constexpr (D <= kAttentionRowTiledMaxHeadDim) {
       const size_t smem = ExtendLayout<D>::bytes;
       OSCAR_RETURN_IF_ERROR(cuda_status(
           cudaFuncSetAttribute(extend_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
@@ -918,8 +918,9 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
     ea.group_size = args.group_size;
     ea.scale2 = args.scale2;
     return dispatch_head_dim(shape.head_dim, [&]<int D>() -> Status {
-      if constexpr (D > 128) {
-        return unsupported("paged_attention: row-tiled extend plans need head_dim <= 128");
+      if constexpr (D > kAttentionRowTiledMaxHeadDim) {
+        return unsupported("paged_attention: row-tiled extend plans need head_dim <= " +
+                           std::to_string(kAttentionRowTiledMaxHeadDim));
       } else {
         const int64_t rows = plan.num_query_tokens * shape.num_qo_heads;
         if (params.q_rotation && rows > 0) {
