@@ -1,7 +1,7 @@
 // Register- and shared-memory-level building blocks of the GPU attention kernels (decode in
 // paged_attention.cuh, many-row extend in extend_attention.cuh): fp16/bf16 packing, the
-// magic-number INT2 unpack, tensor-core MMAs, the value channel order, a request's segment
-// pages, and cp.async. Device code only; no kernel here.
+// magic-number INT2 unpack, the value channel order, a request's segment pages (the MMA and
+// cp.async wrappers live in core/tensor_core.cuh). Device code only; no kernel here.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,10 +13,18 @@
 #include <type_traits>
 
 #include "oscar/attention/attention_plan.hpp"
+#include "oscar/core/tensor_core.cuh"
 #include "oscar/kv/paged_kv.hpp"
 
 namespace oscar {
 namespace attention_detail {
+
+using ptx::cp_async16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::mma_bf16;
+using ptx::mma_f16;
+using ptx::smem_address;
 
 inline constexpr unsigned kFullMask = 0xffffffffu;
 inline constexpr float kLog2e = 1.4426950408889634f;
@@ -62,20 +70,6 @@ OSCAR_DEVICE float fast_exp2(float x) {
   return y;
 }
 
-OSCAR_DEVICE void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-OSCAR_DEVICE void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // Transposes the 8x8 16-bit matrix whose row lane/4, columns 2(lane%4)+{0,1} this lane holds.
 OSCAR_DEVICE uint32_t transpose8x8(uint32_t x) {
   uint32_t y;
@@ -168,16 +162,6 @@ OSCAR_DEVICE Int2HeadBlocks int2_head_blocks(const Int2PoolRef& kpool, const Int
           vpool.stride_page, static_cast<int32_t>(kpool.layout.code_bytes())};
 }
 
-
-OSCAR_DEVICE uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-OSCAR_DEVICE void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-OSCAR_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-OSCAR_DEVICE void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
 
 // The part [begin, end) of a segment, whose tiles are numbered from first_tile in the
 // request, that a work item's chunk covers, in the segment's own tile numbers.
