@@ -103,10 +103,12 @@ void BM_AppendDecode(benchmark::State& state) {
 }
 BENCHMARK(BM_AppendDecode)->Arg(1)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
-// Bulk prefill: 32K tokens x 8 KV heads straight into INT2 pages.
+// Bulk prefill: 32K tokens x 8 KV heads straight into INT2 pages; the rotation on tensor
+// cores (what kAuto picks for this size) or the exact FMA path.
 void BM_AppendBulkInt2(benchmark::State& state) {
   const int tokens = 32768;
   const bool rotate = state.range(0) != 0;
+  const bool tensor_cores = state.range(1) != 0;
   Setup s(tokens / kPage, 1, tokens, rotate);
   std::vector<TokenSlot> slots(tokens);
   for (int t = 0; t < tokens; ++t) slots[t] = {t / kPage, t % kPage, 1};
@@ -118,16 +120,31 @@ void BM_AppendBulkInt2(benchmark::State& state) {
   p.num_tokens = tokens;
   p.slots = device_copy(slots);
   p.error_flag = s.flag;
+  p.rotation = tensor_cores ? AppendRotation::kTensorCores : AppendRotation::kExactFma;
   const double bytes = double(tokens) * kHeads * 2 * (2.0 * kDim + kDim / 4 + 4);
   oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
   report_copy_share(state);
 }
-BENCHMARK(BM_AppendBulkInt2)->ArgName("rotate")->Arg(1)->Arg(0)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AppendBulkInt2)
+    ->ArgNames({"rotate", "tensor_cores"})
+    ->Args({1, 1})
+    ->Args({1, 0})
+    ->Args({0, 1})
+    ->Args({0, 0})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 // Demotion of 256 full window pages (all 8 heads, K and V).
 void BM_Demote(benchmark::State& state) {
   const int pages = static_cast<int>(state.range(0));
   Setup s(pages, pages, 1, false);
+  // Window pages of random rows (zeros would make the clip selection trivial).
+  std::vector<bf16_t> rows(size_t(pages) * kHeads * kPage * kDim);
+  oscar::testing::RowGenerator gen(4, kDim);
+  for (bf16_t* pool : {s.pools.k_bf16.data, s.pools.v_bf16.data}) {
+    gen.fill_bf16(rows.data(), rows.size() / kDim);
+    check(cudaMemcpy(pool, rows.data(), rows.size() * sizeof(bf16_t), cudaMemcpyHostToDevice), "upload");
+  }
   std::vector<PageDemotion> demotions(pages);
   for (int i = 0; i < pages; ++i) demotions[i] = {i, i, kPage};
   DemoteParams p;

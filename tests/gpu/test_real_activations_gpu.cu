@@ -28,6 +28,7 @@
 #include "common/cuda_check.hpp"
 #include "common/device_attention.hpp"
 #include "common/device_pools.hpp"
+#include "common/tensor_core_append.hpp"
 #include "host/cache_test_util.hpp"
 #include "gpu/real_activations_data.hpp"
 #include "oscar/kv/write.cuh"
@@ -134,6 +135,7 @@ size_t step_both(const Fixture& f, PagedCache& cache, DevicePools& device, const
   append.num_tokens = tokens;
   append.slots = d_slots.ptr;
   append.values_prerotated = false;
+  append.rotation = AppendRotation::kExactFma;  // bit-exact; the tensor-core path is checked below
   append.error_flag = d_flag.ptr;
   const Status as = append_kv(append);
   REQUIRE_MESSAGE(as.ok(), as.to_string());
@@ -247,6 +249,31 @@ TEST_CASE("real SmolLM2 activations: device pages are the reference's, attention
                      << ext.worst << " mean " << ext.mean << ", row-tiled extend worst " << ext_rows.worst << " / "
                      << ext_long.worst);
   }
+}
+
+TEST_CASE("real SmolLM2 activations: the tensor-core bulk append") {
+  Fixture f;
+  TensorCoreAppendShape s;
+  s.layers = kNumLayers;
+  s.heads = f.acts.num_kv_heads;
+  s.head_dim = f.acts.head_dim;
+  s.group = f.acts.head_dim;
+  s.page = 16;
+  s.tokens = static_cast<int>(f.acts.tokens);
+  TensorCoreAppendInputs in;
+  in.k = f.rows(f.acts.k, 0, s.tokens);
+  in.v = f.rows(f.acts.v, 0, s.tokens);
+  for (const host::LayerQuantizer& q : f.acts.quantizers) {
+    in.k_rotation.insert(in.k_rotation.end(), q.k_rotation.begin(), q.k_rotation.end());
+    in.v_rotation.insert(in.v_rotation.end(), q.v_rotation.begin(), q.v_rotation.end());
+    in.k_rank.push_back(clip_rank(q.k_clip_ratio, s.head_dim));
+    in.v_rank.push_back(clip_rank(q.v_clip_ratio, s.head_dim));
+  }
+  const TensorCoreAppendReport r = run_tensor_core_append(s, in);
+  MESSAGE(r.one_step_off << " of " << r.elements << " rotated elements one bf16 step off");
+  CHECK(r.further_off == 0);
+  CHECK(r.one_step_off * 100 <= r.elements);  // the bound of test_write_gpu.cu, where it is argued
+  CHECK(r.int2_mismatches == 0);
 }
 
 int main(int argc, char** argv) {

@@ -21,6 +21,7 @@
 
 #include "oscar/core/numeric.hpp"
 #include "oscar/core/status.hpp"
+#include "oscar/kv/tile_rotation.cuh"
 #include "oscar/kv/write_params.hpp"
 #include "oscar/quant/clip.hpp"
 #include "oscar/quant/format.hpp"
@@ -252,6 +253,68 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
   }
 }
 
+// The bulk form of append_kernel: tiles of 64 rows (token-major, head-minor) are loaded with
+// cp.async, rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that
+// rotated them, into BF16 slots or through the same quantizer. Grid: (blocks over tiles,
+// layer * 2 + K/V); each block stages its plane's R once and loops over tiles.
+template <int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(const AppendParams p) {
+  constexpr int kPerLane = kHeadDim / 32;
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  extern __shared__ __align__(16) unsigned char s_raw[];
+  RotationTile<kHeadDim>& tile = *reinterpret_cast<RotationTile<kHeadDim>*>(s_raw);
+  __shared__ uint8_t s_codes[kTileWarps][kHeadDim];
+  if (p.num_tokens <= kInBlockCheckLimit) {
+    if (!block_check(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
+  } else if (*reinterpret_cast<volatile int32_t*>(p.error_flag) != 0) {
+    return;
+  }
+  const int layer = blockIdx.y / 2;
+  const bool is_value = blockIdx.y % 2;
+  const float* rotation = is_value ? (p.values_prerotated ? nullptr : p.pools.v_rotation) : p.pools.k_rotation;
+  if (rotation) stage_rotation<kHeadDim>(rotation + size_t(layer) * kHeadDim * kHeadDim, tile);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t heads = p.pools.k_int2.num_kv_heads;
+  const uint32_t total = uint32_t(p.num_tokens) * heads;
+  const Bf16PoolRef& bf16_pool = is_value ? p.pools.v_bf16 : p.pools.k_bf16;
+  const Int2PoolRef& int2_pool = is_value ? p.pools.v_int2 : p.pools.k_int2;
+  const int clip_k = (is_value ? p.pools.v_clip_rank : p.pools.k_clip_rank)[layer];
+  const bf16_t* input = (is_value ? p.v : p.k) + layer * p.in_stride_layer;
+  for (uint32_t first = blockIdx.x * kTileRows; first < total; first += gridDim.x * kTileRows) {
+    __syncthreads();  // the previous tile's rows are stored before they are overwritten
+    for (int c = threadIdx.x; c < kTileRows * kChunks; c += blockDim.x) {
+      const uint32_t row = first + c / kChunks;
+      if (row >= total) continue;  // the tile's missing rows are never read back
+      const bf16_t* src = input + (row / heads) * p.in_stride_token + (row % heads) * kHeadDim + (c % kChunks) * 8;
+      ptx::cp_async16(ptx::smem_address(tile.rows + swizzled<kHeadDim>(c / kChunks, (c % kChunks) * 8)), src);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+    if (rotation) rotate_warp_rows<kHeadDim>(tile, warp, lane);
+    for (int r = warp * 16; r < warp * 16 + 16; ++r) {
+      const uint32_t row = first + r;
+      if (row >= total) break;
+      const uint32_t token = row / heads, head = row % heads;
+      const TokenSlot slot = p.slots[token];
+      if (!slot.int2) {
+        bf16_t* out = bf16_pool.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
+        if (lane < kChunks) {
+          *reinterpret_cast<uint4*>(out + lane * 8) =
+              *reinterpret_cast<const uint4*>(tile.rows + swizzled<kHeadDim>(r, lane * 8));
+        }
+      } else {
+        float y[kPerLane];
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) y[e] = bf16_to_float(tile.rows[swizzled<kHeadDim>(r, lane + 32 * e)]);
+        uint8_t* block = int2_pool.block(slot.page, head) + layer * p.pools.int2_stride_layer;
+        warp_quantize_row<kHeadDim, kGroup>(y, clip_k, s_codes[warp], int2_pool.layout.codes(block, slot.slot),
+                                            int2_pool.layout.meta(block, slot.slot), lane);
+      }
+    }
+  }
+}
+
 // blockIdx.y = layer * 2 + (0: K, 1: V); blockIdx.x strides over (demotion, head, row).
 template <int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) {
@@ -293,9 +356,14 @@ inline Status cuda_status(cudaError_t error, const char* what) {
 
 // Blocks along x for `rows` rows per (layer, K/V) plane: enough resident warps to hide
 // latency across the whole grid; the rest loop.
-inline dim3 grid_for(int64_t rows, int planes, int warps_per_block = kWarpsPerBlock) {
+inline int multiprocessors() {
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms;
+}
+
+inline dim3 grid_for(int64_t rows, int planes, int warps_per_block = kWarpsPerBlock) {
+  const int sms = multiprocessors();
   const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
   const int64_t cap = std::max<int64_t>(1, int64_t{sms} * 16 / planes);
   return dim3(static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, cap)), static_cast<unsigned>(planes));
@@ -322,23 +390,80 @@ Status dispatch_shape(int head_dim, int group, Launch&& launch) {
 
 }  // namespace write_detail
 
+namespace write_detail {
+
+// Why the tensor-core rotation cannot take these arguments, or "" when it can: it reads rows
+// and R in 16-byte pieces and stores BF16 rows in 16-byte pieces.
+inline std::string tensor_core_rotation_blocker(const AppendParams& p) {
+  const int d = p.pools.k_int2.layout.head_dim;
+  if (d > 128) return "head_dim " + std::to_string(d) + " is above the tensor-core rotation's 128";
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  if (!aligned(p.k) || !aligned(p.v) || p.in_stride_token % 8 != 0 ||
+      (p.pools.num_layers > 1 && p.in_stride_layer % 8 != 0)) {
+    return "k, v, in_stride_token and in_stride_layer must be 16-byte aligned for the tensor-core rotation";
+  }
+  if (!aligned(p.pools.k_rotation) || !aligned(p.pools.v_rotation)) {
+    return "k_rotation and v_rotation must be 16-byte aligned for the tensor-core rotation";
+  }
+  for (const Bf16PoolRef* pool : {&p.pools.k_bf16, &p.pools.v_bf16}) {
+    if (!aligned(pool->data) || pool->stride_page % 8 != 0 || pool->stride_head % 8 != 0 ||
+        p.pools.bf16_stride_layer % 8 != 0) {
+      return "BF16 pools and their strides must be 16-byte aligned for the tensor-core rotation";
+    }
+  }
+  return {};
+}
+
+template <int D, int G>
+Status launch_append_tensor_cores(const AppendParams& params, int64_t rows, cudaStream_t stream) {
+  if constexpr (D > 128) {
+    return unsupported("append_kv: no tensor-core rotation for head_dim " + std::to_string(D));
+  } else {
+    constexpr int smem = sizeof(RotationTile<D>);
+    static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
+        cudaFuncSetAttribute(append_tensor_core_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
+    static const int per_sm = [] {
+      int blocks = 1;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, append_tensor_core_kernel<D, G>, kTileWarps * 32, smem);
+      return blocks > 0 ? blocks : 1;
+    }();
+    // Enough blocks to fill the GPU once; each stages its plane's R once and loops over tiles.
+    const int planes = params.pools.num_layers * 2;
+    const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
+    const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, cap)), static_cast<unsigned>(planes));
+    append_tensor_core_kernel<D, G><<<grid, kTileWarps * 32, smem, stream>>>(params);
+    return cuda_status(cudaGetLastError(), "append_kv launch");
+  }
+}
+
+}  // namespace write_detail
+
 // Writes params.num_tokens new tokens of every layer in params.pools. error_flag is required.
 inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullptr) {
   OSCAR_RETURN_IF_ERROR(validate(params));
   if (!params.error_flag) return invalid_argument("error_flag must not be null");
   if (params.num_tokens == 0) return Status::Ok();
   using namespace write_detail;
+  const int64_t rows = int64_t{params.num_tokens} * params.pools.k_int2.num_kv_heads;
+  if (rows >= (int64_t{1} << 31) || params.pools.num_layers * 2 > 65535) {
+    return invalid_argument("append_kv: too many rows or layers for one launch; split it");
+  }
+  bool tensor_cores = false;
+  if (params.rotation != AppendRotation::kExactFma) {
+    const std::string blocker = tensor_core_rotation_blocker(params);
+    if (params.rotation == AppendRotation::kTensorCores && !blocker.empty()) return unsupported("append_kv: " + blocker);
+    tensor_cores = blocker.empty() && (params.rotation == AppendRotation::kTensorCores || rows >= kTensorCoreMinRows);
+  }
   if (params.num_tokens > kInBlockCheckLimit) {
     check_slots_kernel<<<(params.num_tokens + 255) / 256, 256, 0, stream>>>(params.slots, params.num_tokens,
                                                                             params.pools, params.error_flag);
     OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "append_kv slot check launch"));
   }
-  const int64_t rows = int64_t{params.num_tokens} * params.pools.k_int2.num_kv_heads;
-  if (rows >= (int64_t{1} << 31) || params.pools.num_layers * 2 > 65535) {
-    return invalid_argument("append_kv: too many rows or layers for one launch; split it");
-  }
   const Int2Layout& layout = params.pools.k_int2.layout;
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
+    if (tensor_cores) return launch_append_tensor_cores<D, G>(params, rows, stream);
     constexpr int smem = kAppendSmemBytes<D>;
     static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
         cudaFuncSetAttribute(append_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

@@ -46,6 +46,14 @@ struct LayeredKvPools {
   const int32_t* v_clip_rank = nullptr;
 };
 
+// How append rotates the new rows. kExactFma: FMA in input-channel order on CUDA cores, the
+// CPU reference's bytes exactly. kTensorCores: bf16 hi/lo split of R on tensor cores (head_dim
+// <= 128, 16-byte aligned inputs), ~3x faster for bulk writes, within one bf16 step of the
+// reference (kv/tile_rotation.cuh). kAuto: tensor cores for bulk appends
+// (kTensorCoreMinRows rows or more, where they can run), the exact path otherwise.
+enum class AppendRotation : int32_t { kAuto = 0, kExactFma = 1, kTensorCores = 2 };
+inline constexpr int64_t kTensorCoreMinRows = 4096;
+
 struct AppendParams {
   LayeredKvPools pools;
   // New rows, bf16, post-RoPE, element (layer, token, head, dim) at
@@ -57,6 +65,7 @@ struct AppendParams {
   int32_t num_tokens = 0;
   const TokenSlot* slots = nullptr;  // [num_tokens], device memory
   bool values_prerotated = false;
+  AppendRotation rotation = AppendRotation::kAuto;
   // Optional, device memory: set to a non-zero code when a slot is out of range; the launch
   // then writes nothing at all. Left untouched on success (zero it before the launch).
   int32_t* error_flag = nullptr;
@@ -101,6 +110,10 @@ inline Status validate(const AppendParams& p) {
   }
   if (p.pools.num_layers > 1 && p.in_stride_layer < p.in_stride_token * p.num_tokens) {
     return invalid_argument("in_stride_layer smaller than one layer's rows: layers overlap");
+  }
+  if (p.rotation != AppendRotation::kAuto && p.rotation != AppendRotation::kExactFma &&
+      p.rotation != AppendRotation::kTensorCores) {
+    return invalid_argument("rotation must be kAuto, kExactFma or kTensorCores");
   }
   return Status::Ok();
 }

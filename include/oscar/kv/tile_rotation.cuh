@@ -1,0 +1,110 @@
+// Rotation of a tile of cache rows, y = x·R, on tensor cores: the bulk-write path of append
+// (a prefill chunk writes thousands of rows per layer, and the d² FMAs per row on CUDA cores
+// were two thirds of its time).
+//
+// R (fp32, d×d) is staged once per block in shared memory as two bf16 matrices,
+// R_hi = bf16(R) and R_lo = bf16(R − R_hi); the rows are bf16 already, so each product is
+// exact and x·R_lo + x·R_hi, accumulated in fp32 by mma.sync, is x·R to about 2^-17 of
+// Σ|x_i R_ij|. The bf16 rounding that follows is 2^-9 relative, so the stored row almost
+// always equals the FMA-ordered rotation of the CPU reference, but not always: an element
+// within 2^-17 of a rounding boundary can land on the neighbouring bf16 value (a few per
+// thousand elements; tests/gpu/test_write_gpu.cu bounds it). Callers that need the CPU
+// reference's bytes choose the FMA path (AppendRotation::kExactFma).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "oscar/core/numeric.hpp"
+#include "oscar/core/tensor_core.cuh"
+
+namespace oscar::write_detail {
+
+// 4 warps x 16 rows: each warp owns the 16 rows of its MMA M dimension.
+inline constexpr int kTileWarps = 4;
+inline constexpr int kTileRows = kTileWarps * 16;
+
+// Element (row, col) of a [rows][D] bf16 array in shared memory: the 16-byte chunk c of row r
+// sits at chunk c ^ (r % 8), so the 8 rows one ldmatrix phase reads fall in 8 different
+// 16-byte bank groups instead of one (every row is a multiple of 128 bytes long).
+template <int D>
+OSCAR_DEVICE int swizzled(int row, int col) {
+  static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
+  return row * D + (((col >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+template <int D>
+struct RotationTile {
+  bf16_t r_hi[D * D];  // R_hi[i][j], i = input channel (MMA k), j = output channel (MMA n)
+  bf16_t r_lo[D * D];
+  bf16_t rows[kTileRows * D];  // the tile's input rows, overwritten by the rotated rows
+};
+
+// R (16-byte aligned, row-major) -> the block's R_hi / R_lo. All threads; ends synchronized.
+template <int D>
+OSCAR_DEVICE void stage_rotation(const float* rotation, RotationTile<D>& tile) {
+  for (int idx = threadIdx.x; idx < D * D / 4; idx += blockDim.x) {
+    const int i = idx / (D / 4), j = (idx % (D / 4)) * 4;
+    const float4 r = __ldg(reinterpret_cast<const float4*>(rotation) + idx);
+    const float v[4] = {r.x, r.y, r.z, r.w};
+    uint16_t hi[4], lo[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const bf16_t h = float_to_bf16(v[c]);
+      hi[c] = h.bits;
+      lo[c] = float_to_bf16(v[c] - bf16_to_float(h)).bits;
+    }
+    *reinterpret_cast<uint2*>(tile.r_hi + swizzled<D>(i, j)) =
+        make_uint2(hi[0] | uint32_t{hi[1]} << 16, hi[2] | uint32_t{hi[3]} << 16);
+    *reinterpret_cast<uint2*>(tile.r_lo + swizzled<D>(i, j)) =
+        make_uint2(lo[0] | uint32_t{lo[1]} << 16, lo[2] | uint32_t{lo[3]} << 16);
+  }
+  __syncthreads();
+}
+
+// The calling warp's 16 rows of tile.rows (rows 16·warp ...) become their rotation, rounded
+// to bf16 (float_to_bf16: ties to even, one canonical NaN). Warp-level; touches no other rows.
+template <int D>
+OSCAR_DEVICE void rotate_warp_rows(RotationTile<D>& tile, int warp, int lane) {
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  // ldmatrix addresses: lanes 8m..8m+7 give the rows of matrix m. A (x, row-major 16x16):
+  // m = (row half, k half) = (m & 1, m >> 1). B (R, stored k-major, read transposed):
+  // m = (k half, n tile) = (m & 1, m >> 1), matching b0/b1 of two n tiles.
+  const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int half = (lane >> 4) * 8;
+  const int b_k = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const uint32_t rows = ptx::smem_address(tile.rows), hi = ptx::smem_address(tile.r_hi),
+                 lo = ptx::smem_address(tile.r_lo);
+#pragma unroll 2
+  for (int k = 0; k < D; k += 16) {
+    uint32_t a[4];
+    ptx::ldmatrix_x4(a, rows + 2 * swizzled<D>(a_row, k + half));
+#pragma unroll
+    for (int n = 0; n < D; n += 16) {
+      const int offset = 2 * swizzled<D>(k + b_k, n + half);
+      uint32_t b[4];
+      ptx::ldmatrix_x4_trans(b, lo + offset);  // the small terms first
+      ptx::mma_bf16(acc[n / 8], a, b[0], b[1]);
+      ptx::mma_bf16(acc[n / 8 + 1], a, b[2], b[3]);
+      ptx::ldmatrix_x4_trans(b, hi + offset);
+      ptx::mma_bf16(acc[n / 8], a, b[0], b[1]);
+      ptx::mma_bf16(acc[n / 8 + 1], a, b[2], b[3]);
+    }
+  }
+  __syncwarp();  // every lane's A fragments are read before the rows are overwritten
+  const int r0 = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int col = n * 8 + c0;
+    *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0, col)) =
+        float_to_bf16(acc[n][0]).bits | uint32_t{float_to_bf16(acc[n][1]).bits} << 16;
+    *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0 + 8, col)) =
+        float_to_bf16(acc[n][2]).bits | uint32_t{float_to_bf16(acc[n][3]).bits} << 16;
+  }
+  __syncwarp();
+}
+
+}  // namespace oscar::write_detail

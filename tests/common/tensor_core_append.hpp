@@ -1,0 +1,150 @@
+// The tensor-core append path (AppendRotation::kTensorCores) against the CPU reference. Its
+// rotation is not bit-exact (kv/tile_rotation.cuh), so it is checked in two parts, which
+// together pin every stored byte:
+//   - the rows it stores in BF16 slots: every element equal to the FMA-ordered rotation
+//     rounded to bf16, or one bf16 step from it, and few of them one step off;
+//   - the rows it stores in INT2 slots: exactly quantize_row() of its own rotated row (from
+//     the BF16 run of the same inputs), i.e. the quantizer is the reference's, bit for bit.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#include "common/device_pools.hpp"
+#include "oscar/kv/write.cuh"
+#include "oscar/quant/row.hpp"
+#include "oscar/rotate/dense.hpp"
+
+namespace oscar::testing {
+
+struct TensorCoreAppendShape {
+  int layers = 2, heads = 2, head_dim = 128, group = 128, page = 16, tokens = 0;
+  bool values_prerotated = false;
+};
+
+// Inputs: k, v bf16 [layer][token][head][dim]; k_rotation, v_rotation float [layer][d][d]
+// (empty: identity); clip ranks per layer.
+struct TensorCoreAppendInputs {
+  std::vector<bf16_t> k, v;
+  std::vector<float> k_rotation, v_rotation;
+  std::vector<int32_t> k_rank, v_rank;
+};
+
+struct TensorCoreAppendReport {
+  size_t elements = 0;
+  size_t one_step_off = 0;    // rotated elements one bf16 step from the reference
+  size_t further_off = 0;     // must be 0
+  size_t int2_mismatches = 0; // INT2 bytes that differ from quantize_row of the GPU row; must be 0
+};
+
+inline int64_t bf16_order(uint16_t bits) {  // bf16 bit patterns -> integers in value order
+  return (bits & 0x8000u) ? -int64_t(bits & 0x7fffu) : int64_t(bits);
+}
+
+inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape& s, const TensorCoreAppendInputs& in) {
+  const int d = s.head_dim;
+  const int pages = (s.tokens + s.page - 1) / s.page;
+  const Int2Layout layout{d, s.group, s.page};
+  const size_t bf16_layer = size_t(pages) * s.heads * s.page * d;
+  const size_t int2_layer = size_t(pages) * s.heads * layout.block_bytes();
+  DeviceArray<bf16_t> k_bf16(s.layers * bf16_layer), v_bf16(k_bf16.count), d_k(in.k.size()), d_v(in.v.size());
+  DeviceArray<uint8_t> k_int2(s.layers * int2_layer), v_int2(k_int2.count);
+  DeviceArray<float> k_rot(in.k_rotation.size()), v_rot(in.v_rotation.size());
+  DeviceArray<int32_t> k_rank(s.layers), v_rank(s.layers), flag(1);
+  d_k.upload(in.k);
+  d_v.upload(in.v);
+  k_rot.upload(in.k_rotation);
+  v_rot.upload(in.v_rotation);
+  k_rank.upload(in.k_rank);
+  v_rank.upload(in.v_rank);
+
+  LayeredKvPools pools;
+  pools.k_bf16 = Bf16PoolRef::packed(k_bf16.ptr, pages, s.heads, s.page, d);
+  pools.v_bf16 = Bf16PoolRef::packed(v_bf16.ptr, pages, s.heads, s.page, d);
+  pools.k_int2 = Int2PoolRef::packed(k_int2.ptr, pages, s.heads, layout);
+  pools.v_int2 = Int2PoolRef::packed(v_int2.ptr, pages, s.heads, layout);
+  pools.bf16_stride_layer = static_cast<int64_t>(bf16_layer);
+  pools.int2_stride_layer = static_cast<int64_t>(int2_layer);
+  pools.num_layers = s.layers;
+  pools.k_rotation = in.k_rotation.empty() ? nullptr : k_rot.ptr;
+  pools.v_rotation = in.v_rotation.empty() ? nullptr : v_rot.ptr;
+  pools.k_clip_rank = k_rank.ptr;
+  pools.v_clip_rank = v_rank.ptr;
+
+  AppendParams p;
+  p.pools = pools;
+  p.k = d_k.ptr;
+  p.v = d_v.ptr;
+  p.in_stride_token = int64_t{s.heads} * d;
+  p.in_stride_layer = p.in_stride_token * s.tokens;
+  p.num_tokens = s.tokens;
+  p.values_prerotated = s.values_prerotated;
+  p.rotation = AppendRotation::kTensorCores;
+  p.error_flag = flag.ptr;
+  // Run 0 stores every token in BF16 slots, run 1 every token in INT2 slots; poisoned first.
+  for (int32_t int2 : {0, 1}) {
+    std::vector<TokenSlot> slots(s.tokens);
+    for (int t = 0; t < s.tokens; ++t) slots[t] = {t / s.page, t % s.page, int2};
+    DeviceArray<TokenSlot> d_slots(slots.size());
+    d_slots.upload(slots);
+    p.slots = d_slots.ptr;
+    k_int2.fill_bytes(0xa5);
+    v_int2.fill_bytes(0xa5);
+    if (!int2) {
+      k_bf16.fill_bytes(0xff);
+      v_bf16.fill_bytes(0xff);
+    }
+    flag.fill_bytes(0);
+    const Status status = append_kv(p);
+    REQUIRE_MESSAGE(status.ok(), status.to_string());
+    CUDA_REQUIRE(cudaDeviceSynchronize());
+    REQUIRE(flag.download()[0] == 0);
+  }
+
+  TensorCoreAppendReport report;
+  const std::vector<bf16_t> out_bf16[2] = {k_bf16.download(), v_bf16.download()};
+  const std::vector<uint8_t> out_int2[2] = {k_int2.download(), v_int2.download()};
+  std::vector<float> x(d), y(d), gpu(d);
+  std::vector<uint8_t> codes(d / 4);
+  std::vector<QuantMeta> meta(d / s.group);
+  for (int l = 0; l < s.layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const std::vector<bf16_t>& input = kv ? in.v : in.k;
+      const std::vector<float>& rotations = kv ? in.v_rotation : in.k_rotation;
+      const float* rotation = rotations.empty() || (kv && s.values_prerotated) ? nullptr : &rotations[size_t(l) * d * d];
+      const int rank = (kv ? in.v_rank : in.k_rank)[l];
+      for (int t = 0; t < s.tokens; ++t) {
+        for (int h = 0; h < s.heads; ++h) {
+          const bf16_t* row = &input[((size_t(l) * s.tokens + t) * s.heads + h) * d];
+          for (int i = 0; i < d; ++i) x[i] = bf16_to_float(row[i]);
+          if (rotation) {
+            rotate_row(x.data(), rotation, d, y.data());
+          } else {
+            y = x;
+          }
+          const int page = t / s.page, slot = t % s.page;
+          const bf16_t* stored = &out_bf16[kv][l * bf16_layer + (size_t(page) * s.heads + h) * s.page * d + size_t(slot) * d];
+          for (int i = 0; i < d; ++i) {
+            const bf16_t ref = float_to_bf16(y[i]);
+            gpu[i] = bf16_to_float(stored[i]);
+            ++report.elements;
+            if (ref.bits == stored[i].bits) continue;
+            const int64_t steps = std::llabs(bf16_order(ref.bits) - bf16_order(stored[i].bits));
+            (steps == 1 ? report.one_step_off : report.further_off) += 1;
+          }
+          quantize_row(gpu.data(), d, s.group, rank, codes.data(), meta.data());
+          const uint8_t* block = &out_int2[kv][l * int2_layer + (size_t(page) * s.heads + h) * layout.block_bytes()];
+          for (int b = 0; b < d / 4; ++b) report.int2_mismatches += codes[b] != layout.codes(block, slot)[b];
+          const auto* stored_meta = reinterpret_cast<const uint8_t*>(layout.meta(block, slot));
+          const auto* ref_meta = reinterpret_cast<const uint8_t*>(meta.data());
+          for (size_t b = 0; b < meta.size() * sizeof(QuantMeta); ++b) report.int2_mismatches += ref_meta[b] != stored_meta[b];
+        }
+      }
+    }
+  }
+  return report;
+}
+
+}  // namespace oscar::testing
