@@ -1,6 +1,6 @@
 // GPU write path: append (decode-sized and bulk prefill) and demote, against the copy
 // bandwidth measured in the same run. Run on a GPU machine:
-//   build/bench/bench_write_gpu --benchmark_min_time=0.2s
+//   build/bench/bench_write_gpu --benchmark_min_time=0.2
 #include <benchmark/benchmark.h>
 
 #include <vector>

@@ -1,12 +1,14 @@
 // The tensor-core append path (AppendRotation::kTensorCores) against the CPU reference. Its
 // rotation is not bit-exact (kv/tile_rotation.cuh), so it is checked in two parts, which
 // together pin every stored byte:
-//   - the rows it stores in BF16 slots: every element equal to the FMA-ordered rotation
-//     rounded to bf16, or one bf16 step from it, and few of them one step off;
+//   - the rows it stores in BF16 slots: every element within the error bound of the split
+//     (kRotationErrorBound of sum_i |x_i R_ij|, plus the bf16 rounding) of the exact product
+//     (double), and few of them different from the FMA-ordered rotation rounded to bf16;
 //   - the rows it stores in INT2 slots: exactly quantize_row() of its own rotated row (from
 //     the BF16 run of the same inputs), i.e. the quantizer is the reference's, bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -32,15 +34,28 @@ struct TensorCoreAppendInputs {
   std::vector<int32_t> k_rank, v_rank;
 };
 
+// |x·R_hi + x·R_lo - x·R| <= 2^-18 sum_i |x_i R_ij| (R_lo is R - R_hi to a bf16 rounding),
+// and the fp32 accumulation of d <= 128 terms adds at most d·2^-23 = 2^-16 of the same sum:
+// 2^-15 bounds both.
+inline constexpr double kRotationErrorBound = 1.0 / 32768;
+
 struct TensorCoreAppendReport {
   size_t elements = 0;
-  size_t one_step_off = 0;    // rotated elements one bf16 step from the reference
-  size_t further_off = 0;     // must be 0
-  size_t int2_mismatches = 0; // INT2 bytes that differ from quantize_row of the GPU row; must be 0
+  size_t one_step_off = 0;     // rotated elements one bf16 step from the FMA reference's
+  size_t further_off = 0;      // more than one step (where the sum cancels: a small y_j)
+  size_t outside_bound = 0;    // farther from the exact product than the bound; must be 0
+  size_t int2_mismatches = 0;  // INT2 bytes that differ from quantize_row of the GPU row; must be 0
 };
 
 inline int64_t bf16_order(uint16_t bits) {  // bf16 bit patterns -> integers in value order
   return (bits & 0x8000u) ? -int64_t(bits & 0x7fffu) : int64_t(bits);
+}
+
+// One bf16 step (ulp) at the larger of |a| and |b|: what rounding the exact value can move.
+inline double bf16_step(float a, double b) {
+  const double m = std::max(std::fabs(double(a)), std::fabs(b));
+  if (m == 0 || !std::isfinite(m)) return 0;
+  return std::ldexp(1.0, std::max(std::ilogb(m), -126) - 7);
 }
 
 inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape& s, const TensorCoreAppendInputs& in) {
@@ -107,6 +122,7 @@ inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape
   const std::vector<bf16_t> out_bf16[2] = {k_bf16.download(), v_bf16.download()};
   const std::vector<uint8_t> out_int2[2] = {k_int2.download(), v_int2.download()};
   std::vector<float> x(d), y(d), gpu(d);
+  std::vector<double> exact(d), bound(d);
   std::vector<uint8_t> codes(d / 4);
   std::vector<QuantMeta> meta(d / s.group);
   for (int l = 0; l < s.layers; ++l) {
@@ -124,12 +140,25 @@ inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape
           } else {
             y = x;
           }
+          for (int j = 0; j < d; ++j) {  // the exact product and its error bound, in double
+            double sum = 0, magnitude = 0;
+            for (int i = 0; i < d; ++i) {
+              const double term = double(x[i]) * (rotation ? rotation[size_t(i) * d + j] : double(i == j));
+              sum += term;
+              magnitude += std::fabs(term);
+            }
+            exact[j] = sum;
+            bound[j] = kRotationErrorBound * magnitude;
+          }
           const int page = t / s.page, slot = t % s.page;
           const bf16_t* stored = &out_bf16[kv][l * bf16_layer + (size_t(page) * s.heads + h) * s.page * d + size_t(slot) * d];
           for (int i = 0; i < d; ++i) {
             const bf16_t ref = float_to_bf16(y[i]);
             gpu[i] = bf16_to_float(stored[i]);
             ++report.elements;
+            if (std::isnan(exact[i]) ? !std::isnan(gpu[i]) : !(std::fabs(gpu[i] - exact[i]) <= bound[i] + bf16_step(gpu[i], exact[i]))) {
+              ++report.outside_bound;
+            }
             if (ref.bits == stored[i].bits) continue;
             const int64_t steps = std::llabs(bf16_order(ref.bits) - bf16_order(stored[i].bits));
             (steps == 1 ? report.one_step_off : report.further_off) += 1;

@@ -116,6 +116,13 @@ TEST_CASE("quantize_row on the GPU is bit-exact with the CPU") {
           x.insert(x.end(), row.begin(), row.end());
         }
         x[17 * d + 3] = std::nanf("");  // one poisoned row must stay confined
+        // Groups at the edges of the fp16 metadata: constant (the scale floor), beyond the
+        // fp16 range (saturated scale and offset), and tiny (subnormal scales).
+        for (int i = 0; i < d; ++i) {
+          x[20 * d + i] = 0.5f;
+          x[21 * d + i] = round_to_bf16(x[21 * d + i] * 3.0e4f);
+          x[22 * d + i] = round_to_bf16(x[22 * d + i] * 1.0e-6f);
+        }
         const int k = clip_rank(rho, d);
         DeviceBuffer<float> d_x(x.size());
         DeviceBuffer<uint8_t> d_packed(size_t(rows) * d / 4);

@@ -270,9 +270,10 @@ TEST_CASE("real SmolLM2 activations: the tensor-core bulk append") {
     in.v_rank.push_back(clip_rank(q.v_clip_ratio, s.head_dim));
   }
   const TensorCoreAppendReport r = run_tensor_core_append(s, in);
-  MESSAGE(r.one_step_off << " of " << r.elements << " rotated elements one bf16 step off");
-  CHECK(r.further_off == 0);
-  CHECK(r.one_step_off * 100 <= r.elements);  // the bound of test_write_gpu.cu, where it is argued
+  MESSAGE("of " << r.elements << " rotated elements, " << r.one_step_off << " one bf16 step from the FMA path's, "
+               << r.further_off << " further");
+  CHECK(r.outside_bound == 0);
+  CHECK((r.one_step_off + r.further_off) * 100 <= r.elements);  // argued in test_write_gpu.cu
   CHECK(r.int2_mismatches == 0);
 }
 

@@ -146,13 +146,13 @@ TEST_CASE("bulk append on tensor cores: rotation within one bf16 step, quantizat
       in.v_rank.push_back(l == 0 ? clip_rank(0.92f, s.head_dim) : -1);
     }
     const TensorCoreAppendReport r = run_tensor_core_append(s, in);
-    MESSAGE("d " << s.head_dim << " heads " << s.heads << ": " << r.one_step_off << " of " << r.elements
-                 << " rotated elements one bf16 step off");
-    CHECK(r.further_off == 0);
-    // The hi/lo split leaves ~2^-17 of sum |x_i R_ij| before a rounding of 2^-9 relative: an
-    // element is off only within that distance of a rounding boundary (~1e-3 of them once
-    // the cancellation in the sum is counted); 1% catches a wrong split or a lost term.
-    CHECK(r.one_step_off * 100 <= r.elements);
+    MESSAGE("d " << s.head_dim << " heads " << s.heads << ": of " << r.elements << " rotated elements, "
+                 << r.one_step_off << " one bf16 step from the FMA path's, " << r.further_off << " further");
+    CHECK(r.outside_bound == 0);
+    // Apart from cancelling sums, an element differs from the FMA path's only within ~2^-18
+    // relative of a bf16 rounding boundary (2^-9 apart): measured ~0.2% of elements on the H200;
+    // 1% catches a wrong split or a lost term that the bound alone could miss on large sums.
+    CHECK((r.one_step_off + r.further_off) * 100 <= r.elements);
     CHECK(r.int2_mismatches == 0);
   }
 }

@@ -75,9 +75,11 @@ __global__ void check_demotions_kernel(const PageDemotion* demotions, int n, con
 
 // The exact k-th smallest |x_i| of the warp's row, the same value as kth_smallest_magnitude.
 // Magnitudes compare as their bit patterns. When few elements lie above the threshold (the
-// usual case: rho = 0.96 leaves 5 of 128 above), remove the largest one at a time with an
-// integer warp max (one REDUX each) and take the max of the rest; otherwise run the 32-pass
-// bitwise search with warp-summed counts. Both are exact, so the choice changes no bit.
+// usual case: rho = 0.96 leaves 5 of 128 above), each lane sorts its own few magnitudes and
+// the largest remaining one leaves the warp `above` times: an integer warp max of the lanes'
+// heads (one REDUX) and a pop in the lane that holds it; the answer is then the largest head.
+// Otherwise, a 32-pass bitwise search with warp-summed counts. Both are exact, so the choice
+// changes no bit.
 template <int kHeadDim>
 OSCAR_DEVICE float warp_kth_smallest_magnitude(const float (&x)[kHeadDim / 32], int k) {
   constexpr int kPerLane = kHeadDim / 32;
@@ -86,28 +88,26 @@ OSCAR_DEVICE float warp_kth_smallest_magnitude(const float (&x)[kHeadDim / 32], 
   for (int e = 0; e < kPerLane; ++e) key[e] = float_bits(x[e]) & 0x7fffffffu;
   const int above = kHeadDim - 1 - k;
   if (above < 24) {
-    const int lane = threadIdx.x % 32;
-    for (int r = 0; r < above; ++r) {
-      uint32_t local = 0;
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) local = key[e] > local ? key[e] : local;
-      const uint32_t top = __reduce_max_sync(kFullMask, local);
-      const unsigned holders = __ballot_sync(kFullMask, local == top);
-      if (lane == __ffs(holders) - 1) {  // one instance leaves; 0 never exceeds what remains
-        bool removed = false;
+    for (int i = 0; i < kPerLane; ++i) {  // descending, by exchanges: kPerLane is 2, 4 or 8
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) {
-          if (!removed && key[e] == top) {
-            key[e] = 0;
-            removed = true;
-          }
-        }
+      for (int j = kPerLane - 1; j > i; --j) {
+        const uint32_t hi = max(key[j - 1], key[j]), lo = min(key[j - 1], key[j]);
+        key[j - 1] = hi;
+        key[j] = lo;
       }
     }
-    uint32_t local = 0;
+    const int lane = threadIdx.x % 32;
+    for (int r = 0; r < above; ++r) {
+      const uint32_t top = __reduce_max_sync(kFullMask, key[0]);
+      const unsigned holders = __ballot_sync(kFullMask, key[0] == top);
+      if (lane == __ffs(holders) - 1) {  // one instance leaves; an emptied lane's 0 never exceeds what remains
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) local = key[e] > local ? key[e] : local;
-    return float_from_bits(__reduce_max_sync(kFullMask, local));
+        for (int e = 0; e + 1 < kPerLane; ++e) key[e] = key[e + 1];
+        key[kPerLane - 1] = 0;
+      }
+    }
+    return float_from_bits(__reduce_max_sync(kFullMask, key[0]));
   }
   uint32_t answer = 0;
   for (int bit = 30; bit >= 0; --bit) {  // bit 31 (sign) is clear in every key
@@ -128,6 +128,10 @@ OSCAR_DEVICE void warp_quantize_row(float (&x)[kHeadDim / 32], int clip_k, uint8
   constexpr int kPerLane = kHeadDim / 32;
   constexpr int kGroups = kHeadDim / kGroup;
   constexpr int kLanesPerGroupSpan = kGroup / 32;  // consecutive e indices per group
+  // With G >= 128 the four codes of every packed byte sit in one lane (a quarter of a group
+  // is a multiple of 32 elements): the lane packs and stores its bytes, no shared scratch.
+  constexpr bool kDirectPack = kGroup >= 128;
+  uint32_t code[kPerLane];
   bool finite = true;
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) finite = finite && is_finite(x[e]);
@@ -156,8 +160,23 @@ OSCAR_DEVICE void warp_quantize_row(float (&x)[kHeadDim / 32], int clip_k, uint8
     if (lane == 0) dst_meta[g] = q.meta;
 #pragma unroll
     for (int e = g * kLanesPerGroupSpan; e < (g + 1) * kLanesPerGroupSpan; ++e) {
-      codes[lane + 32 * e] = static_cast<uint8_t>(quantize_code(x[e], q));
+      code[e] = quantize_code(x[e], q);
+      if constexpr (!kDirectPack) codes[lane + 32 * e] = static_cast<uint8_t>(code[e]);
     }
+  }
+  if constexpr (kDirectPack) {
+    // Byte j of group g is this lane's element run j, j + G/4, ... (j = lane + 32·(e % span)).
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+      for (int b = 0; b < kGroup / 128; ++b) {
+        const int e0 = g * kLanesPerGroupSpan + b;
+        constexpr int q = kGroup / 128;  // e-steps between the four quarters
+        dst_codes[g * (kGroup / 4) + b * 32 + lane] =
+            static_cast<uint8_t>(code[e0] | code[e0 + q] << 2 | code[e0 + 2 * q] << 4 | code[e0 + 3 * q] << 6);
+      }
+    }
+    return;
   }
   __syncwarp();
   // Pack in the format's order: byte j of group g holds local elements j, G/4+j, G/2+j, 3G/4+j.
@@ -315,10 +334,15 @@ __global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(con
   }
 }
 
-// blockIdx.y = layer * 2 + (0: K, 1: V); blockIdx.x strides over (demotion, head, row).
+// Rows of one (demotion, head) a warp loads before it quantizes them: their loads are in
+// flight together, so a warp waits for memory once per item instead of once per row.
+inline constexpr int kDemoteRowsPerItem = 4;
+
+// blockIdx.y = layer * 2 + (0: K, 1: V); blockIdx.x strides over (demotion, head, 4-row chunk).
 template <int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) {
   constexpr int kPerLane = kHeadDim / 32;
+  constexpr int kRows = kDemoteRowsPerItem;
   __shared__ uint8_t s_codes[kWarpsPerBlock][kHeadDim];
   if (p.num_demotions <= kInBlockCheckLimit) {
     if (!block_check(p.demotions, p.num_demotions, p.pools, p.error_flag, demotion_ok)) return;
@@ -329,23 +353,31 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) 
   const bool is_value = blockIdx.y % 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t heads = p.pools.k_int2.num_kv_heads;
-  const uint32_t page_size = p.pools.k_int2.layout.page_size;
-  const uint32_t total = uint32_t(p.num_demotions) * heads * page_size;
+  const uint32_t chunks = uint32_t(p.pools.k_int2.layout.page_size) / kRows;  // page sizes are powers of two >= 8
+  const uint32_t items = uint32_t(p.num_demotions) * heads * chunks;
   const Bf16PoolRef& src_pool = is_value ? p.pools.v_bf16 : p.pools.k_bf16;
   const Int2PoolRef& pool = is_value ? p.pools.v_int2 : p.pools.k_int2;
   const int clip_k = (is_value ? p.pools.v_clip_rank : p.pools.k_clip_rank)[layer];
-  for (uint32_t row = blockIdx.x * kWarpsPerBlock + warp; row < total; row += gridDim.x * kWarpsPerBlock) {
-    const uint32_t token = row % page_size;
-    const uint32_t head = (row / page_size) % heads;
-    const PageDemotion d = p.demotions[row / page_size / heads];
-    if (token >= uint32_t(d.rows)) continue;
-    const bf16_t* in = src_pool.row(d.bf16_page, head, token) + layer * p.pools.bf16_stride_layer;
-    float x[kPerLane];
+  for (uint32_t item = blockIdx.x * kWarpsPerBlock + warp; item < items; item += gridDim.x * kWarpsPerBlock) {
+    const uint32_t first = (item % chunks) * kRows;
+    const uint32_t head = (item / chunks) % heads;
+    const PageDemotion d = p.demotions[item / chunks / heads];
+    const bf16_t* in = src_pool.row(d.bf16_page, head, first) + layer * p.pools.bf16_stride_layer;
+    float x[kRows][kPerLane];
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) x[e] = bf16_to_float(in[lane + 32 * e]);
+    for (int r = 0; r < kRows; ++r) {
+      if (first + r < uint32_t(d.rows)) {
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) x[r][e] = bf16_to_float(in[r * kHeadDim + lane + 32 * e]);
+      }
+    }
     uint8_t* block = pool.block(d.int2_page, head) + layer * p.pools.int2_stride_layer;
-    warp_quantize_row<kHeadDim, kGroup>(x, clip_k, s_codes[warp], pool.layout.codes(block, token),
-                                        pool.layout.meta(block, token), lane);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (first + r >= uint32_t(d.rows)) break;
+      warp_quantize_row<kHeadDim, kGroup>(x[r], clip_k, s_codes[warp], pool.layout.codes(block, first + r),
+                                          pool.layout.meta(block, first + r), lane);
+    }
   }
 }
 
@@ -362,9 +394,9 @@ inline int multiprocessors() {
   return sms;
 }
 
-inline dim3 grid_for(int64_t rows, int planes, int warps_per_block = kWarpsPerBlock) {
+inline dim3 grid_for(int64_t warp_items, int planes, int warps_per_block = kWarpsPerBlock) {
   const int sms = multiprocessors();
-  const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
+  const int64_t blocks = (warp_items + warps_per_block - 1) / warps_per_block;
   const int64_t cap = std::max<int64_t>(1, int64_t{sms} * 16 / planes);
   return dim3(static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, cap)), static_cast<unsigned>(planes));
 }
@@ -491,8 +523,9 @@ inline Status demote_kv(const DemoteParams& params, cudaStream_t stream = nullpt
   if (rows >= (int64_t{1} << 31) || params.pools.num_layers * 2 > 65535) {
     return invalid_argument("demote_kv: too many rows or layers for one launch; split it");
   }
+  const int64_t items = rows / kDemoteRowsPerItem;
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
-    demote_kernel<D, G><<<grid_for(rows, params.pools.num_layers * 2), kThreads, 0, stream>>>(params);
+    demote_kernel<D, G><<<grid_for(items, params.pools.num_layers * 2), kThreads, 0, stream>>>(params);
     return cuda_status(cudaGetLastError(), "demote_kv launch");
   });
 }

@@ -10,6 +10,10 @@
 #include "oscar/core/numeric.hpp"
 #include "oscar/quant/format.hpp"
 
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
 namespace oscar {
 
 inline constexpr int kInt2Levels = 4;
@@ -42,24 +46,34 @@ OSCAR_HOST_DEVICE GroupQuantizer make_group_quantizer(float mn, float mx, bool f
   // + 0.0f turns -0 into +0: the extremes of a group may be found in any order (a warp
   // reduction on the GPU, a loop here), and both must store the same bits.
   const float offset = (mn < -kFp16Max ? -kFp16Max : (mn > kFp16Max ? kFp16Max : mn)) + 0.0f;
+#if OSCAR_DEVICE_CODE
+  // The conversion instructions round to nearest even, as float_to_fp16 does, and both
+  // operands are finite here (the two differ only in the NaN they produce): the same bits
+  // in 4 instructions instead of ~50.
+  const __half scale16 = __float2half_rn(scale), offset16 = __float2half_rn(offset);
+  q.meta.scale = fp16_t{__half_as_ushort(scale16)};
+  q.meta.offset = fp16_t{__half_as_ushort(offset16)};
+  q.scale = __half2float(scale16);
+  q.offset = __half2float(offset16);
+  q.inv_scale = __frcp_rn(q.scale);  // correctly rounded, like 1.0f / scale, without the division
+#else
   q.meta.scale = float_to_fp16(scale);
   q.meta.offset = float_to_fp16(offset);
   q.scale = fp16_to_float(q.meta.scale);
   q.offset = fp16_to_float(q.meta.offset);
-#if OSCAR_DEVICE_CODE
-  q.inv_scale = __frcp_rn(q.scale);  // correctly rounded, like 1.0f / scale, without the division
-#else
   q.inv_scale = 1.0f / q.scale;
 #endif
   return q;
 }
 
-// Nearest level, ties up: floor((x - offset) / scale + 1/2) through an explicit fma so that
-// compilers that contract (nvcc does by default) and those that do not agree bit for bit.
+// Nearest level, ties up: floor((x - offset) / scale + 1/2) clamped to 0..3, through an
+// explicit fma so that compilers that contract (nvcc does by default) and those that do not
+// agree bit for bit. floor(t) >= c exactly when t >= c, so the clamped floor is three
+// comparisons (no float-to-int conversion, a quarter-rate instruction on the GPU).
 OSCAR_HOST_DEVICE uint32_t quantize_code(float x, const GroupQuantizer& q) {
   if (!q.finite) return 0;
-  const float level = floorf(fmaf(x - q.offset, q.inv_scale, 0.5f));
-  return level <= 0.0f ? 0u : (level >= 3.0f ? kInt2MaxCode : static_cast<uint32_t>(level));
+  const float t = fmaf(x - q.offset, q.inv_scale, 0.5f);
+  return uint32_t{t >= 1.0f} + uint32_t{t >= 2.0f} + uint32_t{t >= 3.0f};
 }
 
 OSCAR_HOST_DEVICE float dequantize_code(uint32_t code, float scale, float offset) {
