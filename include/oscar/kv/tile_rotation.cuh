@@ -23,8 +23,10 @@
 
 namespace oscar::write_detail {
 
-// 4 warps x 16 rows: each warp owns the 16 rows of its MMA M dimension.
-inline constexpr int kTileWarps = 4;
+// 8 warps x 16 rows: each warp owns the 16 rows of its MMA M dimension. Eight warps share
+// one staged R (64 KB at d = 128), so two blocks per SM keep 16 warps resident for the
+// latency-bound quantizer that follows.
+inline constexpr int kTileWarps = 8;
 inline constexpr int kTileRows = kTileWarps * 16;
 
 // Element (row, col) of a [rows][D] bf16 array in shared memory: the 16-byte chunk c of row r

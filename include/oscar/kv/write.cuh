@@ -310,12 +310,19 @@ __global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(con
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     __syncthreads();
+    // Lane i < 16 looks up the slot of the warp's row i now, so the 16 lookups are in
+    // flight together (during the MMAs) instead of one dependent load per row below.
+    const uint32_t lane_row = first + warp * 16 + lane % 16;
+    TokenSlot lane_slot{};
+    if (lane_row < total) lane_slot = p.slots[lane_row / heads];
     if (rotation) rotate_warp_rows<kHeadDim>(tile, warp, lane);
-    for (int r = warp * 16; r < warp * 16 + 16; ++r) {
+    for (int i = 0; i < 16; ++i) {
+      const int r = warp * 16 + i;
       const uint32_t row = first + r;
       if (row >= total) break;
-      const uint32_t token = row / heads, head = row % heads;
-      const TokenSlot slot = p.slots[token];
+      const uint32_t head = row % heads;
+      const TokenSlot slot{__shfl_sync(kFullMask, lane_slot.page, i), __shfl_sync(kFullMask, lane_slot.slot, i),
+                           __shfl_sync(kFullMask, lane_slot.int2, i)};
       if (!slot.int2) {
         bf16_t* out = bf16_pool.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
         if (lane < kChunks) {
