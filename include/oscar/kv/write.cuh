@@ -73,21 +73,24 @@ __global__ void check_demotions_kernel(const PageDemotion* demotions, int n, con
   if (i < n && !demotion_ok(demotions[i], pools)) atomicExch(error_flag, kWriteErrorSlotOutOfRange);
 }
 
-// The exact k-th smallest |x_i| of the warp's row, the same value as kth_smallest_magnitude.
-// Magnitudes compare as their bit patterns. When few elements lie above the threshold (the
-// usual case: rho = 0.96 leaves 5 of 128 above), each lane sorts its own few magnitudes and
-// the largest remaining one leaves the warp `above` times: an integer warp max of the lanes'
-// heads (one REDUX) and a pop in the lane that holds it; the answer is then the largest head.
-// Otherwise, a 32-pass bitwise search with warp-summed counts. Both are exact, so the choice
-// changes no bit.
+// The exact k-th smallest |x_i| of the warp's row (finite bf16 values, as the cache
+// quantizes), the same value as kth_smallest_magnitude. Magnitudes compare as their bit
+// patterns. When few elements lie above the threshold (the usual case: rho = 0.96 leaves 5 of
+// 128 above), each lane sorts its own few magnitudes and the largest remaining one leaves
+// the warp `above` times. A bf16 magnitude fills only the high 16 bits of its float, so the
+// low bits carry the lane (31 - lane: ties go to the lowest lane): one integer warp max
+// (REDUX) then names both the value and the one lane that pops it. The answer is the largest
+// head left. Otherwise, a 31-pass bitwise search with warp-summed counts. Both are exact, so
+// the choice changes no bit.
 template <int kHeadDim>
-OSCAR_DEVICE float warp_kth_smallest_magnitude(const float (&x)[kHeadDim / 32], int k) {
+OSCAR_DEVICE float warp_kth_smallest_magnitude(const float (&x)[kHeadDim / 32], int k, int lane) {
   constexpr int kPerLane = kHeadDim / 32;
+  constexpr uint32_t kMagnitude = 0x7fff0000u;  // a bf16 magnitude's bits within its float
   uint32_t key[kPerLane];
-#pragma unroll
-  for (int e = 0; e < kPerLane; ++e) key[e] = float_bits(x[e]) & 0x7fffffffu;
   const int above = kHeadDim - 1 - k;
   if (above < 24) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) key[e] = (float_bits(x[e]) & kMagnitude) | uint32_t(31 - lane);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {  // descending, by exchanges: kPerLane is 2, 4 or 8
 #pragma unroll
@@ -97,18 +100,17 @@ OSCAR_DEVICE float warp_kth_smallest_magnitude(const float (&x)[kHeadDim / 32], 
         key[j] = lo;
       }
     }
-    const int lane = threadIdx.x % 32;
     for (int r = 0; r < above; ++r) {
-      const uint32_t top = __reduce_max_sync(kFullMask, key[0]);
-      const unsigned holders = __ballot_sync(kFullMask, key[0] == top);
-      if (lane == __ffs(holders) - 1) {  // one instance leaves; an emptied lane's 0 never exceeds what remains
+      if (key[0] == __reduce_max_sync(kFullMask, key[0])) {  // one instance leaves; an emptied lane's 0 never exceeds what remains
 #pragma unroll
         for (int e = 0; e + 1 < kPerLane; ++e) key[e] = key[e + 1];
         key[kPerLane - 1] = 0;
       }
     }
-    return float_from_bits(__reduce_max_sync(kFullMask, key[0]));
+    return float_from_bits(__reduce_max_sync(kFullMask, key[0]) & kMagnitude);
   }
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) key[e] = float_bits(x[e]) & 0x7fffffffu;
   uint32_t answer = 0;
   for (int bit = 30; bit >= 0; --bit) {  // bit 31 (sign) is clear in every key
     const uint32_t trial = answer | ((1u << bit) - 1u);
@@ -120,8 +122,20 @@ OSCAR_DEVICE float warp_kth_smallest_magnitude(const float (&x)[kHeadDim / 32], 
   return float_from_bits(answer);
 }
 
-// Clip, quantize and pack the warp's row x (lane holds elements lane + 32e). `codes` is the
-// warp's shared scratch of kHeadDim bytes.
+// Floats <-> int32 in the same order (negative values: magnitude bits flipped), so the warp's
+// float extremes are integer REDUX min/max. NaNs land beyond +-Inf at either end.
+OSCAR_DEVICE int32_t ordered_int(float v) {
+  const int32_t b = static_cast<int32_t>(float_bits(v));
+  return b ^ ((b >> 31) & 0x7fffffff);
+}
+OSCAR_DEVICE float ordered_float(int32_t o) { return float_from_bits(static_cast<uint32_t>(o ^ ((o >> 31) & 0x7fffffff))); }
+
+// Clip, quantize and pack the warp's row x (lane holds elements lane + 32e; bf16 values).
+// `codes` is the warp's shared scratch of kHeadDim bytes.
+//
+// The group extremes are taken once, before clipping: clipping is a monotone clamp, so the
+// clipped row's extremes are the clamped extremes, and the same pass tells whether the row is
+// finite (every group's extremes within +-Inf), which decides whether it is clipped at all.
 template <int kHeadDim, int kGroup>
 OSCAR_DEVICE void warp_quantize_row(float (&x)[kHeadDim / 32], int clip_k, uint8_t* codes, uint8_t* dst_codes,
                                     QuantMeta* dst_meta, int lane) {
@@ -131,32 +145,37 @@ OSCAR_DEVICE void warp_quantize_row(float (&x)[kHeadDim / 32], int clip_k, uint8
   // With G >= 128 the four codes of every packed byte sit in one lane (a quarter of a group
   // is a multiple of 32 elements): the lane packs and stores its bytes, no shared scratch.
   constexpr bool kDirectPack = kGroup >= 128;
+  constexpr int32_t kPlusInf = 0x7f800000, kMinusInf = static_cast<int32_t>(0x807fffffu);  // ordered_int(+-Inf)
   uint32_t code[kPerLane];
+  float mn[kGroups], mx[kGroups];
   bool finite = true;
 #pragma unroll
-  for (int e = 0; e < kPerLane; ++e) finite = finite && is_finite(x[e]);
-  finite = __all_sync(kFullMask, finite);
+  for (int g = 0; g < kGroups; ++g) {
+    int32_t lo = ordered_int(x[g * kLanesPerGroupSpan]), hi = lo;
+#pragma unroll
+    for (int e = g * kLanesPerGroupSpan + 1; e < (g + 1) * kLanesPerGroupSpan; ++e) {
+      lo = min(lo, ordered_int(x[e]));
+      hi = max(hi, ordered_int(x[e]));
+    }
+    lo = __reduce_min_sync(kFullMask, lo);
+    hi = __reduce_max_sync(kFullMask, hi);
+    finite = finite && lo > kMinusInf && hi < kPlusInf;
+    mn[g] = ordered_float(lo);
+    mx[g] = ordered_float(hi);
+  }
   if (finite && clip_k >= 0) {
-    const float tau = warp_kth_smallest_magnitude<kHeadDim>(x, clip_k);
+    const float tau = warp_kth_smallest_magnitude<kHeadDim>(x, clip_k, lane);
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) x[e] = clamp_magnitude(x[e], tau);
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      mn[g] = clamp_magnitude(mn[g], tau);
+      mx[g] = clamp_magnitude(mx[g], tau);
+    }
   }
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
-    float mn = INFINITY, mx = -INFINITY;
-#pragma unroll
-    for (int e = g * kLanesPerGroupSpan; e < (g + 1) * kLanesPerGroupSpan; ++e) {
-      mn = x[e] < mn ? x[e] : mn;
-      mx = x[e] > mx ? x[e] : mx;
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float other_mn = __shfl_xor_sync(kFullMask, mn, offset);
-      const float other_mx = __shfl_xor_sync(kFullMask, mx, offset);
-      mn = other_mn < mn ? other_mn : mn;
-      mx = other_mx > mx ? other_mx : mx;
-    }
-    const GroupQuantizer q = make_group_quantizer(mn, mx, finite);
+    const GroupQuantizer q = make_group_quantizer(mn[g], mx[g], finite);
     if (lane == 0) dst_meta[g] = q.meta;
 #pragma unroll
     for (int e = g * kLanesPerGroupSpan; e < (g + 1) * kLanesPerGroupSpan; ++e) {
