@@ -228,6 +228,11 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
   q.rotation = AppendRotation::kTensorCores;
   q.k = d_k.ptr + 1;  // misaligned rows: the tensor-core path refuses, the exact one takes them
   CHECK(append_kv(q).message().find("16-byte aligned for the tensor-core rotation") != std::string::npos);
+  q.rotation = AppendRotation::kAuto;
+  q.k = d_k.ptr;
+  q.pools.k_rotation += 1;
+  CHECK(append_kv(q).message().find("k_rotation and v_rotation must be 16-byte aligned") != std::string::npos);
+  q.pools.k_rotation -= 1;
   q.rotation = static_cast<AppendRotation>(7);
   CHECK(append_kv(q).message().find("rotation must be") != std::string::npos);
   q = p;

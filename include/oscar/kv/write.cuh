@@ -460,9 +460,6 @@ inline std::string tensor_core_rotation_blocker(const AppendParams& p) {
       (p.pools.num_layers > 1 && p.in_stride_layer % 8 != 0)) {
     return "k, v, in_stride_token and in_stride_layer must be 16-byte aligned for the tensor-core rotation";
   }
-  if (!aligned(p.pools.k_rotation) || !aligned(p.pools.v_rotation)) {
-    return "k_rotation and v_rotation must be 16-byte aligned for the tensor-core rotation";
-  }
   for (const Bf16PoolRef* pool : {&p.pools.k_bf16, &p.pools.v_bf16}) {
     if (!aligned(pool->data) || pool->stride_page % 8 != 0 || pool->stride_head % 8 != 0 ||
         p.pools.bf16_stride_layer % 8 != 0) {

@@ -37,8 +37,8 @@ struct LayeredKvPools {
   int64_t bf16_stride_layer = 0;  // elements
   int64_t int2_stride_layer = 0;  // bytes
   int32_t num_layers = 1;
-  // R_K, R_V: float32 [num_layers][head_dim][head_dim] row-major (device memory), or null for
-  // the identity. v_rotation is ignored when values arrive pre-rotated.
+  // R_K, R_V: float32 [num_layers][head_dim][head_dim] row-major (device memory, 16-byte
+  // aligned), or null for the identity. v_rotation is ignored when values arrive pre-rotated.
   const float* k_rotation = nullptr;
   const float* v_rotation = nullptr;
   // Clip ranks from clip_rank(), int32 [num_layers] (device memory); -1 disables.
@@ -91,6 +91,9 @@ inline Status validate(const LayeredKvPools& pools) {
       return invalid_argument("layer strides smaller than one layer's pool: layers overlap");
     }
     if (pools.int2_stride_layer % 16 != 0) return invalid_argument("int2_stride_layer must be a multiple of 16 bytes");
+  }
+  if (reinterpret_cast<uintptr_t>(pools.k_rotation) % 16 != 0 || reinterpret_cast<uintptr_t>(pools.v_rotation) % 16 != 0) {
+    return invalid_argument("k_rotation and v_rotation must be 16-byte aligned (the kernels read R in 16-byte pieces)");
   }
   if (!pools.k_clip_rank || !pools.v_clip_rank) {
     return invalid_argument("k_clip_rank and v_clip_rank must not be null (use -1 per layer to disable)");
