@@ -63,6 +63,22 @@ OSCAR_DEVICE bool block_check(const Entry* entries, int n, const LayeredKvPools&
   return true;
 }
 
+// Whether the launch may write: every entry valid. Up to kInBlockCheckLimit entries the block
+// checks them itself; above, the pre-pass kernel did and left its verdict in *error_flag.
+template <class Entry, class Check>
+OSCAR_DEVICE bool entries_valid(const Entry* entries, int n, const LayeredKvPools& pools, int32_t* error_flag,
+                                Check check) {
+  if (n <= kInBlockCheckLimit) return block_check(entries, n, pools, error_flag, check);
+  return *reinterpret_cast<volatile int32_t*>(error_flag) == 0;
+}
+
+// R of plane (layer, K or V) of an append, or null for the identity.
+template <int kHeadDim>
+OSCAR_DEVICE const float* plane_rotation(const AppendParams& p, int layer, bool is_value) {
+  const float* r = is_value ? (p.values_prerotated ? nullptr : p.pools.v_rotation) : p.pools.k_rotation;
+  return r ? r + size_t(layer) * kHeadDim * kHeadDim : nullptr;
+}
+
 __global__ void check_slots_kernel(const TokenSlot* slots, int n, const LayeredKvPools pools, int32_t* error_flag) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n && !slot_ok(slots[i], pools)) atomicExch(error_flag, kWriteErrorSlotOutOfRange);
@@ -222,15 +238,10 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
   extern __shared__ __align__(16) float s_rotation[];
   __shared__ float s_row[kAppendWarps][kHeadDim];
   __shared__ uint8_t s_codes[kAppendWarps][kHeadDim];
-  if (p.num_tokens <= kInBlockCheckLimit) {
-    if (!block_check(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
-  } else if (*reinterpret_cast<volatile int32_t*>(p.error_flag) != 0) {
-    return;  // the pre-pass found a bad slot
-  }
+  if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
   const int layer = blockIdx.y / 2;
   const bool is_value = blockIdx.y % 2;
-  const float* rotation = is_value ? (p.values_prerotated ? nullptr : p.pools.v_rotation) : p.pools.k_rotation;
-  if (rotation) rotation += size_t(layer) * kHeadDim * kHeadDim;
+  const float* rotation = plane_rotation<kHeadDim>(p, layer, is_value);
   if constexpr (kStageRotation<kHeadDim>) {
     if (rotation) {
       // Every 16-byte chunk in flight at once (cp.async), then one wait: the block pays one
@@ -302,15 +313,11 @@ __global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(con
   extern __shared__ __align__(16) unsigned char s_raw[];
   RotationTile<kHeadDim>& tile = *reinterpret_cast<RotationTile<kHeadDim>*>(s_raw);
   __shared__ uint8_t s_codes[kTileWarps][kHeadDim];
-  if (p.num_tokens <= kInBlockCheckLimit) {
-    if (!block_check(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
-  } else if (*reinterpret_cast<volatile int32_t*>(p.error_flag) != 0) {
-    return;
-  }
+  if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
   const int layer = blockIdx.y / 2;
   const bool is_value = blockIdx.y % 2;
-  const float* rotation = is_value ? (p.values_prerotated ? nullptr : p.pools.v_rotation) : p.pools.k_rotation;
-  if (rotation) stage_rotation<kHeadDim>(rotation + size_t(layer) * kHeadDim * kHeadDim, tile);
+  const float* rotation = plane_rotation<kHeadDim>(p, layer, is_value);
+  if (rotation) stage_rotation<kHeadDim>(rotation, tile);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t heads = p.pools.k_int2.num_kv_heads;
   const uint32_t total = uint32_t(p.num_tokens) * heads;
@@ -370,11 +377,7 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) 
   constexpr int kPerLane = kHeadDim / 32;
   constexpr int kRows = kDemoteRowsPerItem;
   __shared__ uint8_t s_codes[kWarpsPerBlock][kHeadDim];
-  if (p.num_demotions <= kInBlockCheckLimit) {
-    if (!block_check(p.demotions, p.num_demotions, p.pools, p.error_flag, demotion_ok)) return;
-  } else if (*reinterpret_cast<volatile int32_t*>(p.error_flag) != 0) {
-    return;
-  }
+  if (!entries_valid(p.demotions, p.num_demotions, p.pools, p.error_flag, demotion_ok)) return;
   const int layer = blockIdx.y / 2;
   const bool is_value = blockIdx.y % 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
