@@ -361,3 +361,83 @@ TEST_CASE("several layers keep their own rotations and pools") {
   for (int layer = 0; layer < 3; ++layer) check_decode(cache, layer, {*id}, queries, kTol);
   CHECK(read_cache(cache, 0, *id)[0].keys != read_cache(cache, 1, *id)[0].keys);
 }
+
+TEST_CASE("device pools: a books-only cache (host_pools = false) plans what the full cache plans") {
+  CacheConfig config = config_for(64, 3, 16, 24, 40);
+  config.num_layers = 2;
+  PagedCache full = make_cache(config, true);
+  CacheConfig books_config = config;
+  books_config.host_pools = false;
+  auto made = PagedCache::create(books_config, std::vector<host::LayerQuantizer>(config.num_layers));
+  REQUIRE(made.ok());
+  PagedCache books = std::move(made).value();
+  CHECK(books.int2_pool(0, PagedCache::Tensor::kKeys).data == nullptr);  // no host memory for the pools
+  CHECK(books.bf16_pool(1, PagedCache::Tensor::kValues).data == nullptr);
+
+  RowGenerator keys(31, 64), values(32, 64);
+  std::vector<RequestId> ids{*full.add_request(), *full.add_request()};
+  REQUIRE(*books.add_request() == ids[0]);
+  REQUIRE(*books.add_request() == ids[1]);
+  auto same_tables = [&](const std::vector<RequestId>& batch) {
+    auto a = full.page_tables(batch), b = books.page_tables(batch);
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    for (auto [x, y] : {std::pair{&a->sink, &b->sink}, {&a->int2, &b->int2}, {&a->recent, &b->recent}}) {
+      CHECK(x->indptr == y->indptr);
+      CHECK(x->indices == y->indices);
+      CHECK(x->last_page_len == y->last_page_len);
+    }
+  };
+  auto step = [&](const std::vector<RequestId>& batch, const std::vector<int32_t>& counts) {
+    auto a = full.plan_append(batch, counts);
+    auto b = books.plan_append(batch, counts);
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    CHECK(a->token_indptr == b->token_indptr);
+    REQUIRE(a->slots.size() == b->slots.size());
+    for (size_t i = 0; i < a->slots.size(); ++i) {
+      CHECK(std::memcmp(&a->slots[i], &b->slots[i], sizeof(TokenSlot)) == 0);
+    }
+    REQUIRE(a->demotions.size() == b->demotions.size());
+    for (size_t i = 0; i < a->demotions.size(); ++i) {
+      CHECK(std::memcmp(&a->demotions[i], &b->demotions[i], sizeof(PageDemotion)) == 0);
+    }
+    CHECK(a->bf16_pages_to_release == b->bf16_pages_to_release);
+    const int tokens = static_cast<int>(a->slots.size());
+    const KvRows kv = random_kv(keys, values, config, tokens);
+    const size_t layer_rows = size_t(tokens) * config.num_kv_heads * config.head_dim;
+    for (int l = 0; l < config.num_layers; ++l) {
+      REQUIRE(full.write(l, *a, kv.k.data() + l * layer_rows, kv.v.data() + l * layer_rows).ok());
+    }
+    CHECK(books.write(0, *b, kv.k.data(), kv.v.data()).code() == StatusCode::kFailedPrecondition);
+    REQUIRE(full.finish(*a).ok());
+    REQUIRE(books.finish(*b).ok());  // the device wrote the layers; the books cannot know
+    same_tables(batch);
+  };
+  step(ids, {437, 30});  // prefill: mostly straight to INT2
+  for (int i = 0; i < 20; ++i) step(ids, {1, 1});  // decode steps with demotions
+
+  // A fork copies the partial BF16 pages: the books report them for the device to copy.
+  std::vector<host::PageCopy> full_copies, book_copies;
+  CHECK(books.fork_request(ids[0]).status().code() == StatusCode::kInvalidArgument);  // no list given
+  auto child = full.fork_request(ids[0], &full_copies);
+  auto book_child = books.fork_request(ids[0], &book_copies);
+  REQUIRE(child.ok());
+  REQUIRE(book_child.ok());
+  CHECK(*child == *book_child);
+  CHECK(full_copies.size() == 2);  // the partial sink page and the partial window page
+  REQUIRE(book_copies.size() == full_copies.size());
+  for (size_t i = 0; i < full_copies.size(); ++i) {
+    CHECK(book_copies[i].from == full_copies[i].from);
+    CHECK(book_copies[i].to == full_copies[i].to);
+  }
+  const std::vector<RequestId> all{ids[0], ids[1], *child};
+  same_tables(all);
+  for (int i = 0; i < 5; ++i) step(all, {1, 3, 17});
+  CHECK(full.usage().bf16_pages_used == books.usage().bf16_pages_used);
+  CHECK(full.usage().int2_pages_shared == books.usage().int2_pages_shared);
+
+  std::vector<float> q(size_t(config.num_qo_heads) * 64, 0.5f), out(q.size());
+  CHECK(books.decode(0, std::vector<RequestId>{ids[1]}, q.data(), out.data(), nullptr).code() ==
+        StatusCode::kFailedPrecondition);
+}

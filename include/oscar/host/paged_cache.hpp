@@ -51,6 +51,11 @@ struct CacheConfig {
   int32_t max_requests = 1024;
   // V arrives already multiplied by R_V (the engine folded R_V into W_V): store it as is.
   bool values_prerotated = false;
+  // false: the pools live on the GPU (docs/gpu.md) and the cache only keeps the books:
+  // plan_append, finish, cancel, fork_request (which then reports the BF16 pages to copy),
+  // page_tables and segments work as always; write, decode and extend, which need the pool
+  // bytes, refuse; no host memory is allocated for the pools.
+  bool host_pools = true;
 
   int32_t effective_quant_group_size() const {
     return quant_group_size == 0 ? head_dim : quant_group_size;
@@ -87,6 +92,13 @@ struct WritePlan {
   std::vector<PageDemotion> demotions;
   std::vector<int32_t> bf16_pages_to_release;  // after every layer is written
   std::vector<bool> layer_written;
+};
+
+// A BF16 page that fork_request gave the child as a copy of the parent's partial page (every
+// layer, K and V, all num_kv_heads): with device pools the engine copies it before the next step.
+struct PageCopy {
+  int32_t from = 0;
+  int32_t to = 0;
 };
 
 // The three page tables of a batch, owned; views are built on demand so moving is safe.
@@ -155,15 +167,17 @@ class PagedCache {
     cache.int2_pages_ = PageAllocator(config.num_int2_pages);
     cache.bf16_pages_ = PageAllocator(config.num_bf16_pages);
     cache.sequences_.resize(config.max_requests);
-    const size_t int2_bytes =
-        static_cast<size_t>(config.num_int2_pages) * config.num_kv_heads * cache.layout_.block_bytes();
-    const size_t bf16_bytes = static_cast<size_t>(config.num_bf16_pages) * config.num_kv_heads *
-                              config.page_size * config.head_dim * sizeof(bf16_t);
+    const size_t int2_bytes = config.host_pools ? static_cast<size_t>(config.num_int2_pages) * config.num_kv_heads *
+                                                      cache.layout_.block_bytes()
+                                                : 0;
+    const size_t bf16_bytes = config.host_pools ? static_cast<size_t>(config.num_bf16_pages) * config.num_kv_heads *
+                                                      config.page_size * config.head_dim * sizeof(bf16_t)
+                                                : 0;
     for (int32_t l = 0; l < config.num_layers; ++l) {
       LayerPools pools{AlignedBuffer(int2_bytes), AlignedBuffer(int2_bytes),
                        AlignedBuffer(bf16_bytes), AlignedBuffer(bf16_bytes)};
-      if (!pools.k_int2.allocated() || !pools.v_int2.allocated() || !pools.k_bf16.allocated() ||
-          !pools.v_bf16.allocated()) {
+      if (config.host_pools && (!pools.k_int2.allocated() || !pools.v_int2.allocated() ||
+                                !pools.k_bf16.allocated() || !pools.v_bf16.allocated())) {
         return resource_exhausted("could not allocate the page pools of layer " + std::to_string(l));
       }
       cache.pools_.push_back(std::move(pools));
@@ -196,9 +210,16 @@ class PagedCache {
   // A new request with the parent's tokens. Full pages (every INT2 page, full BF16 pages) are
   // shared by reference count and never written again; a partially filled BF16 page is copied
   // because the next append writes into it.
-  Result<RequestId> fork_request(RequestId parent) {
+  // With host pools the partial pages are copied here (and, if `copies` is given, listed
+  // too); without them `copies` is required and receives the copies the engine must make.
+  Result<RequestId> fork_request(RequestId parent, std::vector<PageCopy>* copies = nullptr) {
     OSCAR_RETURN_IF_ERROR(require_no_plan("fork_request"));
     OSCAR_RETURN_IF_ERROR(check_request(parent));
+    if (!config_.host_pools && !copies) {
+      return invalid_argument("fork_request: the pools live on the device (host_pools = false); pass `copies` "
+                              "to receive the BF16 pages to copy");
+    }
+    if (copies) copies->clear();
     auto child = add_request();
     if (!child.ok()) return child.status();
     const Sequence& from = sequences_[parent];
@@ -217,7 +238,8 @@ class PagedCache {
         }
         auto page = bf16_pages_.allocate("BF16");
         if (!page.ok()) return page.status();
-        copy_bf16_page(pages[i], *page);
+        if (config_.host_pools) copy_bf16_page(pages[i], *page);
+        if (copies) copies->push_back({pages[i], *page});
         copied.push_back(*page);
         into.push_back(*page);
       }
@@ -231,6 +253,7 @@ class PagedCache {
       for (int32_t page : seq.sink_pages) bf16_pages_.release(page);
       for (int32_t page : seq.recent_pages) bf16_pages_.release(page);
       sequences_[*child].alive = false;
+      if (copies) copies->clear();
       return status;
     }
     for (int32_t page : seq.int2_pages) int2_pages_.retain(page);
@@ -321,6 +344,7 @@ class PagedCache {
   // the rotated rows are rounded to bf16, then stored or quantized. Nothing is written when
   // an argument is wrong.
   Status write(int32_t layer, WritePlan& plan, const bf16_t* k, const bf16_t* v) {
+    OSCAR_RETURN_IF_ERROR(require_host_pools("write"));
     OSCAR_RETURN_IF_ERROR(check_plan(plan));
     OSCAR_RETURN_IF_ERROR(check_layer(layer));
     if (!plan.slots.empty() && (!k || !v)) return invalid_argument("k and v must not be null");
@@ -377,10 +401,12 @@ class PagedCache {
     return Status::Ok();
   }
 
-  // Closes the step: frees the BF16 pages that were demoted. Every layer must be written.
+  // Closes the step: frees the BF16 pages that were demoted. Every layer must be written
+  // (with device pools: every layer's demote_kv / append_kv issued, on the stream that later
+  // steps write on, so a freed page is reused only after its demotion has read it).
   Status finish(WritePlan& plan) {
     OSCAR_RETURN_IF_ERROR(check_plan(plan));
-    for (int32_t l = 0; l < config_.num_layers; ++l) {
+    for (int32_t l = 0; config_.host_pools && l < config_.num_layers; ++l) {
       if (!plan.layer_written[l]) {
         return failed_precondition("finish: layer " + std::to_string(l) +
                                    " of this step was not written");
@@ -647,6 +673,7 @@ class PagedCache {
 
   Status attend(int32_t layer, std::span<const RequestId> requests, const int32_t* qo_indptr,
                 const float* q, float* out, float* lse, const AttentionOptions& options) const {
+    OSCAR_RETURN_IF_ERROR(require_host_pools(qo_indptr ? "extend" : "decode"));
     OSCAR_RETURN_IF_ERROR(check_layer(layer));
     auto tables = page_tables(requests);
     if (!tables.ok()) return tables.status();
@@ -672,6 +699,12 @@ class PagedCache {
     uint8_t* block = pool.block(page, head);
     quantize_row(scratch, config_.head_dim, layout_.quant_group_size, clip_k,
                  layout_.codes(block, slot), layout_.meta(block, slot));
+  }
+
+  Status require_host_pools(const char* what) const {
+    if (config_.host_pools) return Status::Ok();
+    return failed_precondition(std::string(what) + ": this cache keeps only the books (host_pools = false); "
+                               "its pools live on the device");
   }
 
   void copy_bf16_page(int32_t from, int32_t to) {
