@@ -72,6 +72,23 @@ OSCAR_DEVICE bool entries_valid(const Entry* entries, int n, const LayeredKvPool
   return *reinterpret_cast<volatile int32_t*>(error_flag) == 0;
 }
 
+// The pools and clip rank of one (layer, K or V) plane: blockIdx.y of every write kernel.
+// The pools are layer 0's views; a layer's rows are offset by the layer strides.
+struct WritePlane {
+  const Bf16PoolRef& bf16;
+  const Int2PoolRef& int2;
+  int clip_k;
+};
+OSCAR_DEVICE WritePlane write_plane(const LayeredKvPools& pools, int layer, bool is_value) {
+  return {is_value ? pools.v_bf16 : pools.k_bf16, is_value ? pools.v_int2 : pools.k_int2,
+          (is_value ? pools.v_clip_rank : pools.k_clip_rank)[layer]};
+}
+
+// The new rows of plane (layer, K or V) of an append.
+OSCAR_DEVICE const bf16_t* plane_input(const AppendParams& p, int layer, bool is_value) {
+  return (is_value ? p.v : p.k) + layer * p.in_stride_layer;
+}
+
 // R of plane (layer, K or V) of an append, or null for the identity.
 template <int kHeadDim>
 OSCAR_DEVICE const float* plane_rotation(const AppendParams& p, int layer, bool is_value) {
@@ -117,7 +134,8 @@ OSCAR_DEVICE float warp_kth_smallest_magnitude(const float (&x)[kHeadDim / 32], 
       }
     }
     for (int r = 0; r < above; ++r) {
-      if (key[0] == __reduce_max_sync(kFullMask, key[0])) {  // one instance leaves; an emptied lane's 0 never exceeds what remains
+      // One instance leaves; an emptied lane's 0 never exceeds what remains.
+      if (key[0] == __reduce_max_sync(kFullMask, key[0])) {
 #pragma unroll
         for (int e = 0; e + 1 < kPerLane; ++e) key[e] = key[e + 1];
         key[kPerLane - 1] = 0;
@@ -144,7 +162,9 @@ OSCAR_DEVICE int32_t ordered_int(float v) {
   const int32_t b = static_cast<int32_t>(float_bits(v));
   return b ^ ((b >> 31) & 0x7fffffff);
 }
-OSCAR_DEVICE float ordered_float(int32_t o) { return float_from_bits(static_cast<uint32_t>(o ^ ((o >> 31) & 0x7fffffff))); }
+OSCAR_DEVICE float ordered_float(int32_t o) {
+  return float_from_bits(static_cast<uint32_t>(o ^ ((o >> 31) & 0x7fffffff)));
+}
 
 // Clip, quantize and pack the warp's row x (lane holds elements lane + 32e; bf16 values).
 // `codes` is the warp's shared scratch of kHeadDim bytes.
@@ -260,10 +280,8 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t heads = p.pools.k_int2.num_kv_heads;
   const uint32_t total = uint32_t(p.num_tokens) * heads;
-  const Bf16PoolRef& bf16_pool = is_value ? p.pools.v_bf16 : p.pools.k_bf16;
-  const Int2PoolRef& int2_pool = is_value ? p.pools.v_int2 : p.pools.k_int2;
-  const int clip_k = (is_value ? p.pools.v_clip_rank : p.pools.k_clip_rank)[layer];
-  const bf16_t* input = (is_value ? p.v : p.k) + layer * p.in_stride_layer;
+  const WritePlane plane = write_plane(p.pools, layer, is_value);
+  const bf16_t* input = plane_input(p, layer, is_value);
   for (uint32_t row = blockIdx.x * kAppendWarps + warp; row < total; row += gridDim.x * kAppendWarps) {
     const uint32_t token = row / heads, head = row % heads;
     const TokenSlot slot = p.slots[token];
@@ -291,13 +309,13 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
     for (int e = 0; e < kPerLane; ++e) y[e] = round_to_bf16(y[e]);
     __syncwarp();  // everyone is done reading x before the next row overwrites it
     if (!slot.int2) {
-      bf16_t* out = bf16_pool.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
+      bf16_t* out = plane.bf16.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) out[lane + 32 * e] = float_to_bf16(y[e]);
     } else {
-      uint8_t* block = int2_pool.block(slot.page, head) + layer * p.pools.int2_stride_layer;
-      warp_quantize_row<kHeadDim, kGroup>(y, clip_k, s_codes[warp], int2_pool.layout.codes(block, slot.slot),
-                                          int2_pool.layout.meta(block, slot.slot), lane);
+      uint8_t* block = plane.int2.block(slot.page, head) + layer * p.pools.int2_stride_layer;
+      warp_quantize_row<kHeadDim, kGroup>(y, plane.clip_k, s_codes[warp], plane.int2.layout.codes(block, slot.slot),
+                                          plane.int2.layout.meta(block, slot.slot), lane);
     }
   }
 }
@@ -321,10 +339,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(con
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t heads = p.pools.k_int2.num_kv_heads;
   const uint32_t total = uint32_t(p.num_tokens) * heads;
-  const Bf16PoolRef& bf16_pool = is_value ? p.pools.v_bf16 : p.pools.k_bf16;
-  const Int2PoolRef& int2_pool = is_value ? p.pools.v_int2 : p.pools.k_int2;
-  const int clip_k = (is_value ? p.pools.v_clip_rank : p.pools.k_clip_rank)[layer];
-  const bf16_t* input = (is_value ? p.v : p.k) + layer * p.in_stride_layer;
+  const WritePlane plane = write_plane(p.pools, layer, is_value);
+  const bf16_t* input = plane_input(p, layer, is_value);
   for (uint32_t first = blockIdx.x * kTileRows; first < total; first += gridDim.x * kTileRows) {
     __syncthreads();  // the previous tile's rows are stored before they are overwritten
     for (int c = threadIdx.x; c < kTileRows * kChunks; c += blockDim.x) {
@@ -350,7 +366,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(con
       const TokenSlot slot{__shfl_sync(kFullMask, lane_slot.page, i), __shfl_sync(kFullMask, lane_slot.slot, i),
                            __shfl_sync(kFullMask, lane_slot.int2, i)};
       if (!slot.int2) {
-        bf16_t* out = bf16_pool.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
+        bf16_t* out = plane.bf16.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
         if (lane < kChunks) {
           *reinterpret_cast<uint4*>(out + lane * 8) =
               *reinterpret_cast<const uint4*>(tile.rows + swizzled<kHeadDim>(r, lane * 8));
@@ -359,9 +375,9 @@ __global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(con
         float y[kPerLane];
 #pragma unroll
         for (int e = 0; e < kPerLane; ++e) y[e] = bf16_to_float(tile.rows[swizzled<kHeadDim>(r, lane + 32 * e)]);
-        uint8_t* block = int2_pool.block(slot.page, head) + layer * p.pools.int2_stride_layer;
-        warp_quantize_row<kHeadDim, kGroup>(y, clip_k, s_codes[warp], int2_pool.layout.codes(block, slot.slot),
-                                            int2_pool.layout.meta(block, slot.slot), lane);
+        uint8_t* block = plane.int2.block(slot.page, head) + layer * p.pools.int2_stride_layer;
+        warp_quantize_row<kHeadDim, kGroup>(y, plane.clip_k, s_codes[warp], plane.int2.layout.codes(block, slot.slot),
+                                            plane.int2.layout.meta(block, slot.slot), lane);
       }
     }
   }
@@ -384,14 +400,13 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) 
   const uint32_t heads = p.pools.k_int2.num_kv_heads;
   const uint32_t chunks = uint32_t(p.pools.k_int2.layout.page_size) / kRows;  // page sizes are powers of two >= 8
   const uint32_t items = uint32_t(p.num_demotions) * heads * chunks;
-  const Bf16PoolRef& src_pool = is_value ? p.pools.v_bf16 : p.pools.k_bf16;
-  const Int2PoolRef& pool = is_value ? p.pools.v_int2 : p.pools.k_int2;
-  const int clip_k = (is_value ? p.pools.v_clip_rank : p.pools.k_clip_rank)[layer];
+  const WritePlane plane = write_plane(p.pools, layer, is_value);
+  const Int2Layout& layout = plane.int2.layout;
   for (uint32_t item = blockIdx.x * kWarpsPerBlock + warp; item < items; item += gridDim.x * kWarpsPerBlock) {
     const uint32_t first = (item % chunks) * kRows;
     const uint32_t head = (item / chunks) % heads;
     const PageDemotion d = p.demotions[item / chunks / heads];
-    const bf16_t* in = src_pool.row(d.bf16_page, head, first) + layer * p.pools.bf16_stride_layer;
+    const bf16_t* in = plane.bf16.row(d.bf16_page, head, first) + layer * p.pools.bf16_stride_layer;
     float x[kRows][kPerLane];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -400,12 +415,12 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) 
         for (int e = 0; e < kPerLane; ++e) x[r][e] = bf16_to_float(in[r * kHeadDim + lane + 32 * e]);
       }
     }
-    uint8_t* block = pool.block(d.int2_page, head) + layer * p.pools.int2_stride_layer;
+    uint8_t* block = plane.int2.block(d.int2_page, head) + layer * p.pools.int2_stride_layer;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (first + r >= uint32_t(d.rows)) break;
-      warp_quantize_row<kHeadDim, kGroup>(x[r], clip_k, s_codes[warp], pool.layout.codes(block, first + r),
-                                          pool.layout.meta(block, first + r), lane);
+      warp_quantize_row<kHeadDim, kGroup>(x[r], plane.clip_k, s_codes[warp], layout.codes(block, first + r),
+                                          layout.meta(block, first + r), lane);
     }
   }
 }
@@ -511,7 +526,9 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
   bool tensor_cores = false;
   if (params.rotation != AppendRotation::kExactFma) {
     const std::string blocker = tensor_core_rotation_blocker(params);
-    if (params.rotation == AppendRotation::kTensorCores && !blocker.empty()) return unsupported("append_kv: " + blocker);
+    if (params.rotation == AppendRotation::kTensorCores && !blocker.empty()) {
+      return unsupported("append_kv: " + blocker);
+    }
     tensor_cores = blocker.empty() && (params.rotation == AppendRotation::kTensorCores || rows >= kTensorCoreMinRows);
   }
   if (params.num_tokens > kInBlockCheckLimit) {
