@@ -523,13 +523,17 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
   if (rows >= (int64_t{1} << 31) || params.pools.num_layers * 2 > 65535) {
     return invalid_argument("append_kv: too many rows or layers for one launch; split it");
   }
+  // The blocker (a string) is only worked out where tensor cores are wanted: not on every
+  // decode step's small append.
+  const bool want_tensor_cores = params.rotation == AppendRotation::kTensorCores ||
+                                 (params.rotation == AppendRotation::kAuto && rows >= kTensorCoreMinRows);
   bool tensor_cores = false;
-  if (params.rotation != AppendRotation::kExactFma) {
+  if (want_tensor_cores) {
     const std::string blocker = tensor_core_rotation_blocker(params);
     if (params.rotation == AppendRotation::kTensorCores && !blocker.empty()) {
       return unsupported("append_kv: " + blocker);
     }
-    tensor_cores = blocker.empty() && (params.rotation == AppendRotation::kTensorCores || rows >= kTensorCoreMinRows);
+    tensor_cores = blocker.empty();
   }
   if (params.num_tokens > kInBlockCheckLimit) {
     check_slots_kernel<<<(params.num_tokens + 255) / 256, 256, 0, stream>>>(params.slots, params.num_tokens,
