@@ -176,8 +176,8 @@ class PagedCache {
     for (int32_t l = 0; l < config.num_layers; ++l) {
       LayerPools pools{AlignedBuffer(int2_bytes), AlignedBuffer(int2_bytes),
                        AlignedBuffer(bf16_bytes), AlignedBuffer(bf16_bytes)};
-      if (config.host_pools && (!pools.k_int2.allocated() || !pools.v_int2.allocated() ||
-                                !pools.k_bf16.allocated() || !pools.v_bf16.allocated())) {
+      if (!pools.k_int2.allocated() || !pools.v_int2.allocated() || !pools.k_bf16.allocated() ||
+          !pools.v_bf16.allocated()) {  // an empty buffer (host_pools = false) counts as allocated
         return resource_exhausted("could not allocate the page pools of layer " + std::to_string(l));
       }
       cache.pools_.push_back(std::move(pools));
