@@ -17,10 +17,10 @@
 namespace oscar {
 
 inline constexpr int kInt2Levels = 4;
-inline constexpr uint32_t kInt2MaxCode = 3;
 
 // The quantizer of one group after its metadata is fixed. Keeps the float values of the fp16
-// metadata and the reciprocal of the scale so that quantize_code() is one fma and a floor.
+// metadata and the reciprocal of the scale so that quantize_code() is one fma and three
+// comparisons.
 struct GroupQuantizer {
   QuantMeta meta;
   float offset;
