@@ -124,8 +124,11 @@ struct Problem {
     for (int i = 0; i < d; ++i) r[size_t(i) * d + i] = 1.0f;  // rotation cost is the same for any R
     params.q_rotation = static_cast<float*>(keep(device_copy(r)));
     params.output_unrotation = static_cast<float*>(keep(device_copy(r)));
-    // OSCAR_BENCH_ENGINE_ROTATED=1: the engine rotated q and folds R_V^T into W_O.
-    if (env_int("OSCAR_BENCH_ENGINE_ROTATED", 0) != 0) params.q_rotation = params.output_unrotation = nullptr;
+    // OSCAR_BENCH_ENGINE_ROTATED=1: the engine rotated q and folds R_V^T into W_O; 2: the
+    // engine rotated q only; 3: the engine folds R_V^T only (to time each rotation's share).
+    const int engine_rotated = env_int("OSCAR_BENCH_ENGINE_ROTATED", 0);
+    if (engine_rotated == 1 || engine_rotated == 2) params.q_rotation = nullptr;
+    if (engine_rotated == 1 || engine_rotated == 3) params.output_unrotation = nullptr;
 
     const std::vector<int32_t> query_tokens(queries > 0 ? batch : 0, queries);
     if (queries > 0) {  // extend: request b's query rows are b*Q .. (b+1)*Q
@@ -145,6 +148,8 @@ struct Problem {
       options.target_blocks_per_sm = bps;
       options.target_extend_blocks_per_sm = bps;
     }
+    // OSCAR_BENCH_MIN_CHUNK_KB overrides the shortest chunk (to tune it).
+    if (const int kb = env_int("OSCAR_BENCH_MIN_CHUNK_KB", 0); kb > 0) options.min_chunk_bytes = int64_t{kb} * 1024;
     // OSCAR_BENCH_ROW_TILED=0 runs extend plans on the decode kernel's column tiles.
     if (env_int("OSCAR_BENCH_ROW_TILED", 1) == 0) options.row_tiled_min_rows = INT32_MAX;
     auto made = make_attention_plan(shape, lengths, query_tokens, options);

@@ -359,6 +359,9 @@ TEST_CASE("launcher errors name the problem and launch nothing") {
   bad.q = nullptr;
   CHECK(has(paged_attention(*plan, bad, ws.ptr, ws.count), "q and out must not be null"));
   bad = p;
+  bad.q = d_q.ptr + 1;  // 2 bytes off: the kernels read q 16 bytes at a time
+  CHECK(has(paged_attention(*plan, bad, ws.ptr, ws.count), "q must be 16-byte aligned"));
+  bad = p;
   bad.num_qo_heads = 16;
   CHECK(has(paged_attention(*plan, bad, ws.ptr, ws.count), "disagree with the plan"));
   bad = p;

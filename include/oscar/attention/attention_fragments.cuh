@@ -20,8 +20,14 @@ namespace oscar {
 namespace attention_detail {
 
 using ptx::cp_async16;
+using ptx::cp_async16_if;
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
+using ptx::lds_u16;
+using ptx::lds_u32;
+using ptx::lds_v2;
+using ptx::lds_v4;
+using ptx::mul_wide;
 using ptx::mma_bf16;
 using ptx::mma_f16;
 using ptx::smem_address;

@@ -65,13 +65,44 @@ struct KernelConfig {
 #endif
   static constexpr int kThreads = kWarps * 32;
   static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps per block");
+  // q's fp16 fragments for the INT2 keys (D/8 registers per lane) live in shared memory where
+  // registers are short, and are read there per k-step (one LDS.64 per MMA).
+#ifdef OSCAR_ATTENTION_Q_SHARED
+  static constexpr bool kQueryFragmentsShared = OSCAR_ATTENTION_Q_SHARED != 0;
+#else
+  static constexpr bool kQueryFragmentsShared = false;
+#endif
+};
+
+// This lane's fp16 B fragments of q for the INT2 key MMAs, k-step s: {b0b1, b2b3}, prescaled by
+// 4^-(s%4) to meet the code fields as int2_tile unpacks them. In registers, or (where
+// KernelConfig says so) in shared memory, [D/16][32] uint2 at this lane.
+template <int D>
+struct KeyQueryFragments {
+  static constexpr bool kShared = KernelConfig<D>::kQueryFragmentsShared;
+  uint32_t reg[kShared ? 1 : D / 16][2];
+  const uint2* shared;
+
+  OSCAR_DEVICE uint2 get(int s) const {
+    if constexpr (kShared) {
+      return shared[s * 32];
+    } else {
+      return make_uint2(reg[s][0], reg[s][1]);
+    }
+  }
 };
 inline constexpr int kCols = kAttentionTileColumns;
 // Per-warp online-softmax state for this lane's two columns (2j, 2j+1) and its slots of o.
+// The running max of a warp that has seen no key yet: finite, so the hot path subtracts it
+// with no special case (every real score passes it by more than kMaxGrowth and moves the max
+// before its first exponential; a masked -inf score gives exp2(-inf) = 0 against it, and the
+// merges weigh an empty state by exp2(kNoKeyMax - m) = 0, or by 1 times its zero sums).
+inline constexpr float kNoKeyMax = -1e30f;
+
 template <int D>
 struct WarpState {
   float o[D / 16][4];
-  float m[2];
+  float m[2];  // kNoKeyMax until a key is seen
   float l[2];       // lane-partial; summed over the 8 lanes of a column at the end
   float offset[2];  // lane-partial Σ p·offset of INT2 values
 };
@@ -116,10 +147,7 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 8));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 16));
       const float m_new = fmaxf(st.m[i], tile_max);
-      // While every key so far is masked (m = -inf), subtract 0 instead: exp2(-inf) = 0 gives
-      // p = 0 and alpha = 0 on the still-empty sums, with no special case per element.
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[i] = fast_exp2(st.m[i] - m_use);
+      alpha[i] = fast_exp2(st.m[i] - m_new);  // 0 from kNoKeyMax, on sums still 0
       st.m[i] = m_new;
       st.l[i] *= alpha[i];
       st.offset[i] *= alpha[i];
@@ -134,10 +162,9 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    // m = -inf here means every key so far is masked, and so is every key of this tile.
-    const float m_use = st.m[i] == -INFINITY ? 0.0f : st.m[i];
-    s[0][i] = fast_exp2(s[0][i] - m_use);
-    s[1][i] = fast_exp2(s[1][i] - m_use);
+    // m = kNoKeyMax here means every key so far is masked, and so is every key of this tile.
+    s[0][i] = fast_exp2(s[0][i] - st.m[i]);
+    s[1][i] = fast_exp2(s[1][i] - st.m[i]);
     st.l[i] += s[0][i] + s[1][i];
   }
 }
@@ -182,17 +209,17 @@ struct Int2Stage {
 
 // Which run of a tile this lane copies, fixed for the whole loop: lane l copies region l / 8
 // (K half 0, K half 1, V half 0, V half 1) at chunks l % 8 + 8i, and lanes with l % 8 < 2 also
-// that region's 32 bytes of metadata. So a lane needs one page id and one block address per
-// tile, and its chunks are compile-time offsets from it.
+// that region's 32 bytes of metadata. So a lane needs one page id and one 32-bit multiply per
+// tile (page strides are below 2 GiB: the launcher checks), and its chunks are compile-time
+// offsets from it.
 template <int D>
 struct Int2CopyLane {
-  const uint8_t* pool;   // the K or V pool of this lane's region, at the block's head
-  int64_t stride_page;
-  int32_t half;          // 0 or 1
-  int32_t code_src;      // byte offset of the first chunk from the token's codes
+  const uint8_t* src;    // the K or V pool of this lane's region, at the block's head and this lane's first chunk
+  int32_t stride_page;   // bytes
+  int32_t meta_delta;    // bytes from a token's first chunk to its metadata chunk
+  int32_t half_tokens;   // 0 or 8: the tile half this lane copies
   uint32_t code_dst;     // shared address of the first chunk in stage 0
   uint32_t meta_dst;     // shared address of the metadata chunk in stage 0 (lanes with l % 8 < 2)
-  int32_t meta_src;      // meta_offset + 16 * (l % 8)
   bool copies_meta;
 };
 
@@ -201,15 +228,16 @@ OSCAR_DEVICE Int2CopyLane<D> int2_copy_lane(const Int2HeadBlocks& blocks, uint32
   using S = Int2Stage<D>;
   const int region = lane / 8, idx = lane % 8;
   const int tensor = region >> 1;
+  const int half = region & 1;
   Int2CopyLane<D> c;
-  c.pool = tensor == 0 ? blocks.k : blocks.v;
-  c.stride_page = tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page;
-  c.half = region & 1;
-  c.code_src = idx * 16;
-  c.code_dst = stages + tensor * S::kCodes + c.half * 8 * S::kRowBytes + idx * 16;
+  const int32_t code_src = idx * 16;
+  c.src = (tensor == 0 ? blocks.k : blocks.v) + code_src;
+  c.stride_page = static_cast<int32_t>(tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page);
+  c.half_tokens = 8 * half;
+  c.code_dst = stages + tensor * S::kCodes + half * 8 * S::kRowBytes + idx * 16;
   c.copies_meta = idx < 2;
-  c.meta_dst = stages + S::kKMeta + tensor * 64 + c.half * 32 + (idx & 1) * 16;
-  c.meta_src = blocks.meta_offset + (idx & 1) * 16;
+  c.meta_dst = stages + S::kKMeta + tensor * 64 + half * 32 + (idx & 1) * 16;
+  c.meta_delta = blocks.meta_offset + (idx & 1) * 16 - code_src;
   return c;
 }
 
@@ -217,7 +245,7 @@ OSCAR_DEVICE Int2CopyLane<D> int2_copy_lane(const Int2HeadBlocks& blocks, uint32
 // tile ahead of its copies.
 template <int D>
 OSCAR_DEVICE int32_t copy_page(const SegmentPages& seg, const Int2CopyLane<D>& c, int32_t tile, bool active) {
-  const int32_t token = tile * kAttentionTileTokens + 8 * c.half;
+  const int32_t token = tile * kAttentionTileTokens + c.half_tokens;
   return active && token < seg.tokens ? seg.page_id(token) : -1;
 }
 
@@ -225,48 +253,73 @@ OSCAR_DEVICE int32_t copy_page(const SegmentPages& seg, const Int2CopyLane<D>& c
 // for an absent tile, so the group count stays in step with the tiles).
 template <int D>
 OSCAR_DEVICE void issue_int2_tile(const Int2CopyLane<D>& c, const SegmentPages& seg, int32_t tile, int32_t page,
-                                  int stage) {
+                                  uint32_t stage_offset) {
   using S = Int2Stage<D>;
   if (page >= 0) {
-    const int32_t slot = seg.slot(tile * kAttentionTileTokens + 8 * c.half);
-    const uint8_t* block = c.pool + page * c.stride_page;
-    const uint8_t* src = block + slot * S::kRowBytes + c.code_src;
-    const uint32_t dst = c.code_dst + stage * S::kBytes;
+    const int32_t slot = seg.slot(tile * kAttentionTileTokens + c.half_tokens);
+    const uint8_t* src = c.src + mul_wide(page, c.stride_page) + slot * S::kRowBytes;
+    const uint32_t dst = c.code_dst + stage_offset;
 #pragma unroll
     for (int i = 0; i < S::kCodeChunks / 32; ++i) cp_async16(dst + 128 * i, src + 128 * i);
-    if (c.copies_meta) cp_async16(c.meta_dst + stage * S::kBytes, block + c.meta_src + slot * 4);
+    cp_async16_if(c.copies_meta, c.meta_dst + stage_offset, src + (c.meta_delta - slot * (S::kRowBytes - 4)));
   } else if (c.copies_meta) {
     // A half past the segment reads as zero metadata, so its p = 0 meets a zero scale and
     // offset (no 0 * stale NaN); its stale codes are finite whatever they are.
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(c.meta_dst + stage * S::kBytes), "r"(0u) : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(c.meta_dst + stage_offset), "r"(0u) : "memory");
   }
   cp_async_commit();
 }
 
+// Shared addresses of this lane's reads of stage 0 (key rows r and r+8 at bytes j·D/16, their
+// metadata, value rows 2j, 2j+1, 2j+8, 2j+9 at bytes r·D/32): fixed for the loop, so a stage's
+// reads are one add each.
+struct Int2ReadLane {
+  uint32_t k, meta, v;
+};
+
+template <int D>
+OSCAR_DEVICE Int2ReadLane int2_read_lane(uint32_t stages, int lane) {
+  using S = Int2Stage<D>;
+  const int r = lane / 4, j = lane % 4;
+  return {stages + r * S::kRowBytes + j * (D / 16), stages + S::kKMeta + 4 * r,
+          stages + S::kVCodes + 2 * j * S::kRowBytes + r * Int2TileRaw<D>::kVBytes};
+}
+
 // This lane's fragments of a staged tile (the registers int2_tile consumes).
 template <int D>
-OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const unsigned char* stage, const SegmentPages& seg,
-                                 int32_t tile, int lane) {
+OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const Int2ReadLane& lane_addr, uint32_t stage_offset,
+                                 const SegmentPages& seg, int32_t tile) {
   using Raw = Int2TileRaw<D>;
   using S = Int2Stage<D>;
-  const int r = lane / 4;
-  const int j = lane % 4;
   const int32_t t0 = tile * kAttentionTileTokens;
   raw.valid = min(seg.tokens - t0, kAttentionTileTokens);
   raw.key_position0 = seg.start + t0;
+  const uint32_t k = lane_addr.k + stage_offset, meta = lane_addr.meta + stage_offset, v = lane_addr.v + stage_offset;
   // Both halves read unconditionally: an absent half's metadata was zeroed at issue.
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    load_words<false>(stage + (8 * half + r) * S::kRowBytes + j * (D / 16), raw.kw[half]);
-    raw.kmeta[half] = *reinterpret_cast<const uint32_t*>(stage + S::kKMeta + 4 * (8 * half + r));
-    raw.vmeta[half] = *reinterpret_cast<const uint32_t*>(stage + S::kVMeta + 4 * (8 * half + r));
+    const uint32_t kaddr = k + 8 * half * S::kRowBytes;
+    if constexpr (Raw::kKWords == 1) {
+      raw.kw[half][0] = lds_u32(kaddr);
+    } else if constexpr (Raw::kKWords == 2) {
+      const uint2 w = lds_v2(kaddr);
+      raw.kw[half][0] = w.x, raw.kw[half][1] = w.y;
+    } else {
+      const uint4 w = lds_v4(kaddr);
+      raw.kw[half][0] = w.x, raw.kw[half][1] = w.y, raw.kw[half][2] = w.z, raw.kw[half][3] = w.w;
+    }
+    raw.kmeta[half] = lds_u32(meta + 32 * half);
+    raw.vmeta[half] = lds_u32(meta + 64 + 32 * half);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const unsigned char* p = stage + S::kVCodes + (8 * half + 2 * j + t) * S::kRowBytes + r * Raw::kVBytes;
+      const uint32_t vaddr = v + (8 * half + t) * S::kRowBytes;
       if constexpr (Raw::kVBytes == 2) {
-        raw.vw[2 * half + t][0] = *reinterpret_cast<const unsigned short*>(p);
+        raw.vw[2 * half + t][0] = lds_u16(vaddr);
+      } else if constexpr (Raw::kVWords == 1) {
+        raw.vw[2 * half + t][0] = lds_u32(vaddr);
       } else {
-        load_words<false>(p, raw.vw[2 * half + t]);
+        const uint2 w = lds_v2(vaddr);
+        raw.vw[2 * half + t][0] = w.x, raw.vw[2 * half + t][1] = w.y;
       }
     }
   }
@@ -274,9 +327,9 @@ OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const unsigned char* stage
 
 // Scores, softmax and values of one loaded INT2 tile.
 template <int D>
-OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], const float (&qsum)[2],
+OSCAR_DEVICE void int2_tile(WarpState<D>& st, const KeyQueryFragments<D>& qf, const float (&qsum)[2],
                             const float (&key_bias)[2],
-                            const Int2TileRaw<D>& raw, TileContext& tc, float scale2, int lane) {
+                            const Int2TileRaw<D>& raw, TileContext& tc, int lane) {
   using Raw = Int2TileRaw<D>;
   constexpr int kKWords = Raw::kKWords;
   constexpr int kUnits = D / 64;  // 16-bit value units per lane per token
@@ -302,7 +355,8 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], c
   {                                                                                                 \
     const uint32_t a[4] = {unpack_field_biased<K>(lo0), unpack_field_biased<K>(lo1),                \
                            unpack_field_biased<K>(hi0), unpack_field_biased<K>(hi1)};               \
-    mma_f16(ACC, a, qf[wi * 4 + K][0], qf[wi * 4 + K][1]);                                          \
+    const uint2 b = qf.get(wi * 4 + K);                                                             \
+    mma_f16(ACC, a, b.x, b.y);                                                                      \
   }
     OSCAR_KSTEP(0, acc) OSCAR_KSTEP(1, acc_odd) OSCAR_KSTEP(2, acc) OSCAR_KSTEP(3, acc_odd)
 #undef OSCAR_KSTEP
@@ -323,7 +377,7 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const uint32_t (&qf)[D / 16][2], c
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) s[half][i] = (acc[2 * half + i] * sk[half] + ok[half] * qsum[i]) * scale2;
+    for (int i = 0; i < 2; ++i) s[half][i] = acc[2 * half + i] * sk[half] + ok[half] * qsum[i];  // q carries scale2
   }
   softmax_step<D>(st, s, tc, r);
 #pragma unroll
@@ -399,6 +453,73 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
   }
 }
 
+// q_rot[c] = q_in[c]·R (rows [kCols][D] float in shared memory) for columns c < NC; the other
+// columns of q_rot are zeroed, as q_in's are. Thread i owns channel i of every column: four
+// rows of R per step and q read as float4 (one shared load per column and 4 channels), ~11
+// instructions per channel instead of ~27 with a load per product.
+template <int D, int NC, int kThreads>
+OSCAR_DEVICE void rotate_query_columns(const float* q_in, const float* rotation, float* q_rot, int tid) {
+  for (int i = tid; i < D; i += kThreads) {
+    float acc[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+#pragma unroll 4
+    for (int k = 0; k < D; k += 4) {
+      float rk[4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) rk[kk] = __ldg(rotation + (k + kk) * D + i);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const float4 qv = *reinterpret_cast<const float4*>(q_in + c * D + k);
+        acc[c] = fmaf(qv.x, rk[0], acc[c]);
+        acc[c] = fmaf(qv.y, rk[1], acc[c]);
+        acc[c] = fmaf(qv.z, rk[2], acc[c]);
+        acc[c] = fmaf(qv.w, rk[3], acc[c]);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) q_rot[c * D + i] = c < NC ? acc[c] : 0.0f;
+  }
+}
+
+// The block's output rows, columns c < valid_cols <= NC of final_o ([kCols][D] float in shared
+// memory): un-rotated by R_Vᵀ (o·R_Vᵀ: out_i = Σ_k o_k R_ik) unless the engine folds it, rounded
+// to bf16.
+template <int D, int NC, int kThreads>
+OSCAR_DEVICE void write_output_columns(const float* final_o, const PagedAttentionParams& p, int32_t q_begin, int col0,
+                                       int valid_cols, int g, int32_t head, int tid) {
+  for (int i = tid; i < D; i += kThreads) {
+    float out[NC];
+    if (p.output_unrotation) {
+#pragma unroll
+      for (int c = 0; c < NC; ++c) out[c] = 0.0f;
+      const float4* row = reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D);
+#pragma unroll 4
+      for (int k4 = 0; k4 < D / 4; ++k4) {
+        const float4 rv = __ldg(row + k4);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const float4 o = *reinterpret_cast<const float4*>(final_o + c * D + 4 * k4);
+          out[c] = fmaf(o.x, rv.x, out[c]);
+          out[c] = fmaf(o.y, rv.y, out[c]);
+          out[c] = fmaf(o.z, rv.z, out[c]);
+          out[c] = fmaf(o.w, rv.w, out[c]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < NC; ++c) out[c] = final_o[c * D + i];
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      if (c < valid_cols) {
+        const int64_t row = query_row(q_begin, col0 + c, g, p.num_qo_heads, head);
+        reinterpret_cast<__nv_bfloat16*>(p.out)[row * D + i] = __float2bfloat16_rn(out[c]);
+      }
+    }
+  }
+}
+
 // Shared memory of one block (dynamic). The q buffers are dead once the fragments are built,
 // so the warps' partial outputs reuse them.
 template <int D>
@@ -413,7 +534,8 @@ struct SharedLayout {
   static constexpr size_t q_frag = region_a;                           // uint4 [D/16][32]
   static constexpr size_t final_o = q_frag + sizeof(uint4) * (D / 16) * 32;  // float [8][D]
   static constexpr size_t stats = final_o + sizeof(float) * kCols * D;       // float [3][warps][8] + [8]
-  static constexpr size_t bytes = stats + sizeof(float) * (3 * kWarps * kCols + kCols) + 16;
+  static constexpr size_t key_q_frag = stats + sizeof(float) * (3 * kWarps * kCols + kCols) + 16;  // uint2 [D/16][32]
+  static constexpr size_t bytes = key_q_frag + (KernelConfig<D>::kQueryFragmentsShared ? sizeof(uint2) * (D / 16) * 32 : 0);
   static_assert(kMaxAttentionChunks * kCols <= kWarps * kCols * D, "merge weights reuse warp_o");
 };
 
@@ -469,31 +591,33 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   const int valid_cols = min(kCols, n_q * g - col0);
 
   // 1. q of the block's columns, rotated into the keys' basis.
-  for (int idx = tid; idx < kCols * D; idx += kThreads) {
-    const int c = idx / D, i = idx % D;
-    float v = 0.0f;
+  // 16-byte loads of 8 channels (the launcher checks q's alignment): one load per thread at
+  // d = 128, where a load per channel with its row arithmetic cost ~1800 instructions.
+  for (int idx = tid; idx < kCols * D / 8; idx += kThreads) {
+    const int c = idx / (D / 8), i = (idx % (D / 8)) * 8;
+    uint4 raw = make_uint4(0, 0, 0, 0);
     if (c < valid_cols) {
-      const int gc = col0 + c;
-      const int64_t row = query_row(q_begin, gc, g, p.num_qo_heads, head);
-      v = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p.q + row * D + i));
+      const int64_t row = query_row(q_begin, col0 + c, g, p.num_qo_heads, head);
+      raw = __ldg(reinterpret_cast<const uint4*>(p.q + row * D + i));
     }
-    q_in[idx] = v;
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // bf16 -> float is a 16-bit shift
+      v[2 * e] = __uint_as_float(words[e] << 16);
+      v[2 * e + 1] = __uint_as_float(words[e] & 0xffff0000u);
+    }
+    *reinterpret_cast<float4*>(q_in + c * D + i) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(q_in + c * D + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
   }
   __syncthreads();
   const float* q_basis = q_in;
   if (p.q_rotation) {
-    for (int i = tid; i < D; i += kThreads) {
-      float acc[kCols];
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
-#pragma unroll 8
-      for (int k = 0; k < D; ++k) {
-        const float rk = __ldg(p.q_rotation + k * D + i);
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[c] = fmaf(q_in[c * D + k], rk, acc[c]);
-      }
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) q_rot[c * D + i] = acc[c];
+    // Only the valid columns (4 of 8 at a GQA group of 4, the headline shape) are rotated.
+    if (valid_cols <= kCols / 2) {
+      rotate_query_columns<D, kCols / 2, kThreads>(q_in, p.q_rotation, q_rot, tid);
+    } else {
+      rotate_query_columns<D, kCols, kThreads>(q_in, p.q_rotation, q_rot, tid);
     }
     __syncthreads();
     q_basis = q_rot;
@@ -501,15 +625,29 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
 
   // 2. This lane's fragments: fp16 q for INT2 keys (registers), bf16 hi/lo for BF16 keys (smem).
   const int r = lane / 4, j = lane % 4;
-  uint32_t qf[D / 16][2];
+  KeyQueryFragments<D> qf;
+  uint32_t frag[D / 16][2];
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
     const int wi = s / 4, k = s % 4;
     const int ch = j * (D / 16) + 4 * wi + k * (D / 4);
     const float* qn = q_basis + r * D;  // column n = lane/4
-    const float inv = 1.0f / float(1 << (2 * k));  // k-step s meets code field k (exact scaling)
-    qf[s][0] = pack_half2(qn[ch + 0] * inv, qn[ch + 2] * inv);
-    qf[s][1] = pack_half2(qn[ch + 1] * inv, qn[ch + 3] * inv);
+    // k-step s meets code field k (the 4^-k is exact); sm_scale·log2(e) is folded in here, so
+    // the scores leave the MMA in log2 units.
+    const float inv = args.scale2 / float(1 << (2 * k));
+    frag[s][0] = pack_half2(qn[ch + 0] * inv, qn[ch + 2] * inv);
+    frag[s][1] = pack_half2(qn[ch + 1] * inv, qn[ch + 3] * inv);
+  }
+  if constexpr (KeyQueryFragments<D>::kShared) {
+    uint2* shared = reinterpret_cast<uint2*>(smem + L::key_q_frag);
+    if (warp == 0) {  // every warp's lanes hold the same fragments
+#pragma unroll
+      for (int s = 0; s < D / 16; ++s) shared[s * 32 + lane] = make_uint2(frag[s][0], frag[s][1]);
+    }
+    qf.shared = shared + lane;  // read after the __syncthreads below
+  } else {
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) qf.reg[s][0] = frag[s][0], qf.reg[s][1] = frag[s][1];
   }
   // 1024·Σ q' over column r's fp16 fragments (this lane's channels, then its 4 lanes), then
   // fetched for this lane's accumulator columns 2j, 2j+1.
@@ -518,7 +656,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     float part = 0.0f;
 #pragma unroll
     for (int s = 0; s < D / 16; ++s) {
-      const float2 a = __half22float2(bits_half2(qf[s][0])), b = __half22float2(bits_half2(qf[s][1]));
+      const float2 a = __half22float2(bits_half2(frag[s][0])), b = __half22float2(bits_half2(frag[s][1]));
       part += (a.x + a.y) + (b.x + b.y);
     }
     part += __shfl_xor_sync(kFullMask, part, 1);
@@ -531,7 +669,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   for (int i = 0; i < 2; ++i) {
     float sum = 0.0f;
     for (int k = 0; k < D; ++k) sum += q_basis[(2 * j + i) * D + k];
-    qsum[i] = sum;
+    qsum[i] = sum * args.scale2;
   }
   for (int idx = tid; idx < (D / 16) * 32; idx += kThreads) {
     const int s = idx / 32, ln = idx % 32;
@@ -561,7 +699,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   WarpState<D> st;
 #pragma unroll
   for (int mt = 0; mt < D / 16; ++mt) st.o[mt][0] = st.o[mt][1] = st.o[mt][2] = st.o[mt][3] = 0.0f;
-  st.m[0] = st.m[1] = -INFINITY;
+  st.m[0] = st.m[1] = kNoKeyMax;
   st.l[0] = st.l[1] = 0.0f;
   st.offset[0] = st.offset[1] = 0.0f;
   const float scale2 = args.scale2;
@@ -585,31 +723,33 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     if (begin < end) {
       // kInt2Stages tiles per warp: wait for the oldest, compute it, refill its stage.
       const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
-      unsigned char* stages = smem + L::int2_stages + warp * (kInt2Stages * Int2Stage<D>::kBytes);
-      const Int2CopyLane<D> copy = int2_copy_lane<D>(blocks, smem_address(stages), lane);
+      using S = Int2Stage<D>;
+      const uint32_t stages = smem_address(smem + L::int2_stages + warp * (kInt2Stages * S::kBytes));
+      const Int2CopyLane<D> copy = int2_copy_lane<D>(blocks, stages, lane);
+      const Int2ReadLane read_lane = int2_read_lane<D>(stages, lane);
       int32_t next = begin + warp;  // the next tile to issue
 #pragma unroll
       for (int k = 0; k < kInt2Stages; ++k, next += kWarps) {
-        issue_int2_tile<D>(copy, body, next, copy_page<D>(body, copy, next, next < end), k);
+        issue_int2_tile<D>(copy, body, next, copy_page<D>(body, copy, next, next < end), k * S::kBytes);
       }
       int32_t next_page = copy_page<D>(body, copy, next, next < end);
       // (Reading the next tile's fragments one tile ahead into registers measured 3 % slower
       // on the H200: more registers and moves for latency the other warps already hide.)
-      int stage = 0;
+      uint32_t stage_offset = 0;  // bytes of the oldest stage from the first
       auto read_and_refill = [&](Int2TileRaw<D>& raw, int32_t tile) {
         cp_async_wait<kInt2Stages - 1>();
         __syncwarp();  // every lane's copies of this tile are visible
-        read_int2_tile<D>(raw, stages + stage * Int2Stage<D>::kBytes, body, tile, lane);
+        read_int2_tile<D>(raw, read_lane, stage_offset, body, tile);
         __syncwarp();  // every lane has read the stage before it is refilled
-        issue_int2_tile<D>(copy, body, next, next_page, stage);
+        issue_int2_tile<D>(copy, body, next, next_page, stage_offset);
         next += kWarps;
         next_page = copy_page<D>(body, copy, next, next < end);
-        stage = stage + 1 == kInt2Stages ? 0 : stage + 1;
+        stage_offset = stage_offset == (kInt2Stages - 1) * S::kBytes ? 0 : stage_offset + S::kBytes;
       };
       Int2TileRaw<D> cur;
       for (int32_t t = begin + warp; t < end; t += kWarps) {
         read_and_refill(cur, t);
-        int2_tile<D>(st, qf, qsum, key_bias, cur, tc, scale2, lane);
+        int2_tile<D>(st, qf, qsum, key_bias, cur, tc, lane);
       }
       cp_async_wait<0>();  // no copy may land after the stages are reused below
     }
@@ -648,17 +788,15 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   __syncthreads();
   for (int idx = tid; idx < kCols * D; idx += kThreads) {
     const int c = idx / D;
-    float m = -INFINITY;
+    float m = kNoKeyMax;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_m[w * kCols + c]);
     float sum = 0.0f, o = 0.0f;
-    if (m != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float e = exp2f(warp_m[w * kCols + c] - m);
-        sum += e * warp_l[w * kCols + c];
-        o += e * (warp_o[(w * kCols) * D + idx] + warp_off[w * kCols + c]);
-      }
+    for (int w = 0; w < kWarps; ++w) {  // an empty warp state: weight 0, or 1 on zero sums
+      const float e = exp2f(warp_m[w * kCols + c] - m);
+      sum += e * warp_l[w * kCols + c];
+      o += e * (warp_o[(w * kCols) * D + idx] + warp_off[w * kCols + c]);
     }
     final_o[idx] = sum == 0.0f ? 0.0f : o / sum;  // NaN stays NaN
     if (idx % D == 0) final_lse[c] = sum == 0.0f ? -INFINITY : m + log2f(sum);
@@ -690,52 +828,50 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     }
     __syncthreads();
     chunk_merge_weights<kCols>(w, final_lse, chunks, tid, kThreads);
-    // Σ_k w_k·o_k for this block's valid columns; four chunks' loads in flight per element.
-    for (int idx = tid; idx < valid_cols * D; idx += kThreads) {
-      const int c = idx / D;
-      const float* base = args.partial_o + (size_t(item.first_item) * num_kv_heads + head) * kCols * D + idx;
-      const size_t stride = size_t(num_kv_heads) * kCols * D;  // one chunk further
-      float o = 0.0f;
-      int k = 0;
-      for (; k + 4 <= chunks; k += 4) {
-        const float o0 = __ldcg(base + k * stride), o1 = __ldcg(base + (k + 1) * stride);
-        const float o2 = __ldcg(base + (k + 2) * stride), o3 = __ldcg(base + (k + 3) * stride);
-        o += w[k * kCols + c] * o0 + w[(k + 1) * kCols + c] * o1 + w[(k + 2) * kCols + c] * o2 +
-             w[(k + 3) * kCols + c] * o3;
+    // Σ_k w_k·o_k for this block's valid columns. Each thread owns kPerThread elements and
+    // walks the chunks for all of them at once, four chunks at a time: 4·kPerThread loads in
+    // flight instead of four (the merge is one block's serial tail of a split request, and
+    // chunks / 4 dependent L2 round trips per element were most of it at B = 1).
+    constexpr int kPerThread = kCols * D / kThreads;
+    static_assert(kCols * D % kThreads == 0);
+    const float* base = args.partial_o + (size_t(item.first_item) * num_kv_heads + head) * kCols * D;
+    const size_t stride = size_t(num_kv_heads) * kCols * D;  // one chunk further
+    float o[kPerThread];
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) o[e] = 0.0f;
+    auto merge_chunks = [&](int k0, auto count) {
+      constexpr int kCount = decltype(count)::value;
+      float v[kCount][kPerThread];
+#pragma unroll
+      for (int k = 0; k < kCount; ++k) {
+#pragma unroll
+        for (int e = 0; e < kPerThread; ++e) {
+          const int idx = tid + e * kThreads;  // columns past valid_cols were never written
+          v[k][e] = idx < valid_cols * D ? __ldcg(base + (k0 + k) * stride + idx) : 0.0f;
+        }
       }
-      for (; k < chunks; ++k) o += w[k * kCols + c] * __ldcg(base + k * stride);
-      final_o[idx] = o;  // Σ w = 1, or every weight 0 for an empty state
+#pragma unroll
+      for (int k = 0; k < kCount; ++k) {
+#pragma unroll
+        for (int e = 0; e < kPerThread; ++e) o[e] = fmaf(w[(k0 + k) * kCols + (tid + e * kThreads) / D], v[k][e], o[e]);
+      }
+    };
+    int k = 0;
+    for (; k + 4 <= chunks; k += 4) merge_chunks(k, std::integral_constant<int, 4>{});
+    for (; k < chunks; ++k) merge_chunks(k, std::integral_constant<int, 1>{});
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      const int idx = tid + e * kThreads;
+      if (idx < valid_cols * D) final_o[idx] = o[e];  // Σ w = 1, or every weight 0 for an empty state
     }
     __syncthreads();
   }
 
   // 6. Output: un-rotate by R_Vᵀ (o·R_Vᵀ: out_i = Σ_k o_k R_ik), round to bf16.
-  for (int i = tid; i < D; i += kThreads) {
-    float out[kCols];
-    if (p.output_unrotation) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) out[c] = 0.0f;
-      const float4* row = reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D);
-      for (int k4 = 0; k4 < D / 4; ++k4) {
-        const float4 rv = __ldg(row + k4);
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          const float* o = final_o + c * D + 4 * k4;
-          out[c] = fmaf(o[0], rv.x, out[c]);
-          out[c] = fmaf(o[1], rv.y, out[c]);
-          out[c] = fmaf(o[2], rv.z, out[c]);
-          out[c] = fmaf(o[3], rv.w, out[c]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) out[c] = final_o[c * D + i];
-    }
-    for (int c = 0; c < valid_cols; ++c) {
-      const int gc = col0 + c;
-      const int64_t row = query_row(q_begin, gc, g, p.num_qo_heads, head);
-      reinterpret_cast<__nv_bfloat16*>(p.out)[row * D + i] = __float2bfloat16_rn(out[c]);
-    }
+  if (valid_cols <= kCols / 2) {
+    write_output_columns<D, kCols / 2, kThreads>(final_o, p, q_begin, col0, valid_cols, g, head, tid);
+  } else {
+    write_output_columns<D, kCols, kThreads>(final_o, p, q_begin, col0, valid_cols, g, head, tid);
   }
   if (p.lse && tid < valid_cols) {
     const int gc = col0 + tid;
@@ -861,6 +997,10 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
   OSCAR_RETURN_IF_ERROR(check_workspace(plan, workspace, workspace_bytes, "paged_attention"));
   const PagedKvRef& kv = params.kv;
   OSCAR_RETURN_IF_ERROR(validate_pool_set(kv.k_bf16, kv.v_bf16, kv.k_int2, kv.v_int2));
+  if (kv.k_int2.stride_page > INT32_MAX || kv.v_int2.stride_page > INT32_MAX) {
+    return unsupported("paged_attention: INT2 page strides of 2 GiB or more (the kernel's page offsets are 32-bit "
+                       "multiplies)");
+  }
   const AttentionShape& shape = plan.shape;
   const Int2Layout& layout = kv.k_int2.layout;
   if (layout.head_dim != shape.head_dim || layout.quant_group_size != shape.quant_group_size ||
@@ -893,6 +1033,9 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
   }
   if (reinterpret_cast<uintptr_t>(params.output_unrotation) % 16 != 0) {
     return invalid_argument("paged_attention: output_unrotation must be 16-byte aligned");
+  }
+  if (reinterpret_cast<uintptr_t>(params.q) % 16 != 0) {
+    return invalid_argument("paged_attention: q must be 16-byte aligned (the kernels read 8 channels per load)");
   }
   if (shape.num_kv_heads > 65535) return unsupported("paged_attention: more than 65535 KV heads");
 

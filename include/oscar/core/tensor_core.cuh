@@ -13,6 +13,38 @@ namespace oscar::ptx {
 
 OSCAR_DEVICE uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+// Shared-memory loads at a 32-bit shared address (the stage loops keep byte offsets, not
+// generic pointers, so an address is one add). volatile: they stay after the cp.async wait
+// that makes their bytes visible.
+OSCAR_DEVICE uint32_t lds_u16(uint32_t addr) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return v;
+}
+OSCAR_DEVICE uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+OSCAR_DEVICE uint2 lds_v2(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+OSCAR_DEVICE uint4 lds_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+// a·b as a 64-bit product of two 32-bit ints, in one instruction (int64 operands make the
+// compiler emit the full 64x64 multiply even when both are sign-extended ints).
+OSCAR_DEVICE int64_t mul_wide(int32_t a, int32_t b) {
+  int64_t r;
+  asm("mul.wide.s32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 // D += A·B for one m16n8k16 tile: A row-major 16x16 (four registers of two halves), B
 // column-major 16x8 (two registers), D fp32 in the standard accumulator layout.
 OSCAR_DEVICE void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -45,6 +77,14 @@ OSCAR_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
 
 OSCAR_DEVICE void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+// The same copy where `copy` holds, and nothing otherwise: a predicate instead of a branch,
+// for lanes of a warp that copy different amounts.
+OSCAR_DEVICE void cp_async16_if(bool copy, uint32_t dst, const void* src) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}" ::"r"(dst),
+      "l"(src), "r"(int(copy))
+      : "memory");
 }
 OSCAR_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
