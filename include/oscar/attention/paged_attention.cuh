@@ -463,18 +463,22 @@ OSCAR_DEVICE void rotate_query_columns(const float* q_in, const float* rotation,
     float acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-#pragma unroll 4
-    for (int k = 0; k < D; k += 4) {
-      float rk[4];
+    // 32 rows of R in flight per batch: the prologue of every block waits on these L2 reads.
+    constexpr int kBatch = D < 32 ? D : 32;
+    for (int k0 = 0; k0 < D; k0 += kBatch) {
+      float rk[kBatch];
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) rk[kk] = __ldg(rotation + (k + kk) * D + i);
+      for (int kk = 0; kk < kBatch; ++kk) rk[kk] = __ldg(rotation + (k0 + kk) * D + i);
 #pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        const float4 qv = *reinterpret_cast<const float4*>(q_in + c * D + k);
-        acc[c] = fmaf(qv.x, rk[0], acc[c]);
-        acc[c] = fmaf(qv.y, rk[1], acc[c]);
-        acc[c] = fmaf(qv.z, rk[2], acc[c]);
-        acc[c] = fmaf(qv.w, rk[3], acc[c]);
+      for (int kk = 0; kk < kBatch; kk += 4) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const float4 qv = *reinterpret_cast<const float4*>(q_in + c * D + k0 + kk);
+          acc[c] = fmaf(qv.x, rk[kk], acc[c]);
+          acc[c] = fmaf(qv.y, rk[kk + 1], acc[c]);
+          acc[c] = fmaf(qv.z, rk[kk + 2], acc[c]);
+          acc[c] = fmaf(qv.w, rk[kk + 3], acc[c]);
+        }
       }
     }
 #pragma unroll
@@ -494,16 +498,23 @@ OSCAR_DEVICE void write_output_columns(const float* final_o, const PagedAttentio
 #pragma unroll
       for (int c = 0; c < NC; ++c) out[c] = 0.0f;
       const float4* row = reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D);
-#pragma unroll 4
-      for (int k4 = 0; k4 < D / 4; ++k4) {
-        const float4 rv = __ldg(row + k4);
+      // 8 float4 of the row in flight per batch: this is the serial tail of a split request.
+      constexpr int kBatch = 8;
+      static_assert(D / 4 % kBatch == 0);
+      for (int b = 0; b < D / 4; b += kBatch) {
+        float4 rv[kBatch];
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          const float4 o = *reinterpret_cast<const float4*>(final_o + c * D + 4 * k4);
-          out[c] = fmaf(o.x, rv.x, out[c]);
-          out[c] = fmaf(o.y, rv.y, out[c]);
-          out[c] = fmaf(o.z, rv.z, out[c]);
-          out[c] = fmaf(o.w, rv.w, out[c]);
+        for (int k4 = 0; k4 < kBatch; ++k4) rv[k4] = __ldg(row + b + k4);
+#pragma unroll
+        for (int k4 = 0; k4 < kBatch; ++k4) {
+#pragma unroll
+          for (int c = 0; c < NC; ++c) {
+            const float4 o = *reinterpret_cast<const float4*>(final_o + c * D + 4 * (b + k4));
+            out[c] = fmaf(o.x, rv[k4].x, out[c]);
+            out[c] = fmaf(o.y, rv[k4].y, out[c]);
+            out[c] = fmaf(o.z, rv[k4].z, out[c]);
+            out[c] = fmaf(o.w, rv[k4].w, out[c]);
+          }
         }
       }
     } else {
@@ -525,15 +536,17 @@ OSCAR_DEVICE void write_output_columns(const float* final_o, const PagedAttentio
 template <int D>
 struct SharedLayout {
   static constexpr int kWarps = KernelConfig<D>::kWarps;
-  static constexpr size_t q_in = 0;                                    // float [8][D]
-  static constexpr size_t q_rot = q_in + sizeof(float) * kCols * D;    // float [8][D]
-  static constexpr size_t warp_o = 0;                                  // float [warps][8][D]
-  static constexpr size_t int2_stages = 0;  // [warps][kInt2Stages][Int2Stage<D>::kBytes], the loop only
+  // The INT2 stages are filled from the start (their first tiles are issued before q is
+  // read), so q's buffers lie outside them: q_in in final_o, dead until the warps merge.
+  static constexpr size_t warp_o = 0;                                  // float [warps][8][D], after the loop
+  static constexpr size_t int2_stages = 0;  // [warps][kInt2Stages][Int2Stage<D>::kBytes], until the loop ends
   static constexpr size_t stage_bytes = size_t{kWarps} * kInt2Stages * Int2Stage<D>::kBytes;
-  static constexpr size_t region_a = std::max(sizeof(float) * kCols * D * (2 > kWarps ? 2 : kWarps), stage_bytes);
+  static constexpr size_t region_a = std::max(sizeof(float) * kCols * D * kWarps, stage_bytes);
   static constexpr size_t q_frag = region_a;                           // uint4 [D/16][32]
   static constexpr size_t final_o = q_frag + sizeof(uint4) * (D / 16) * 32;  // float [8][D]
-  static constexpr size_t stats = final_o + sizeof(float) * kCols * D;       // float [3][warps][8] + [8]
+  static constexpr size_t q_in = final_o;                              // float [8][D], the prologue only
+  static constexpr size_t q_rot = final_o + sizeof(float) * kCols * D;       // float [8][D], the prologue only
+  static constexpr size_t stats = q_rot + sizeof(float) * kCols * D;         // float [3][warps][8] + [8]
   static constexpr size_t key_q_frag = stats + sizeof(float) * (3 * kWarps * kCols + kCols) + 16;  // uint2 [D/16][32]
   static constexpr size_t bytes = key_q_frag + (KernelConfig<D>::kQueryFragmentsShared ? sizeof(uint2) * (D / 16) * 32 : 0);
   static_assert(kMaxAttentionChunks * kCols <= kWarps * kCols * D, "merge weights reuse warp_o");
@@ -589,6 +602,25 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   const int32_t n_q = args.decode ? 1 : p.qo_indptr[b_req + 1] - q_begin;
   const int col0 = item.column_tile * kCols;
   const int valid_cols = min(kCols, n_q * g - col0);
+
+  // 0. The chunk's first kInt2Stages INT2 tiles per warp are issued before anything else, so
+  // their DRAM latency overlaps q's load and rotation and the sink's BF16 tiles.
+  const int32_t sink_tiles = static_cast<int32_t>(attention_tiles(sink.tokens));
+  const int32_t body_tiles = static_cast<int32_t>(attention_tiles(body.tokens));
+  int32_t body_begin, body_end;
+  chunk_tile_range(item, body, sink_tiles, body_begin, body_end);
+  using S = Int2Stage<D>;
+  const uint32_t stages = smem_address(smem + L::int2_stages + warp * (kInt2Stages * S::kBytes));
+  if (body_begin < body_end) {
+    // (The copy lane is built again for the loop: kept live through the prologue and the BF16
+    // tiles, its registers made the loop spill.)
+    const Int2CopyLane<D> copy = int2_copy_lane<D>(int2_head_blocks(kv.k_int2, kv.v_int2, head), stages, lane);
+#pragma unroll
+    for (int k = 0; k < kInt2Stages; ++k) {
+      const int32_t t = body_begin + warp + k * kWarps;
+      issue_int2_tile<D>(copy, body, t, copy_page<D>(body, copy, t, t < body_end), k * S::kBytes);
+    }
+  }
 
   // 1. q of the block's columns, rotated into the keys' basis.
   // 16-byte loads of 8 channels (the launcher checks q's alignment): one load per thread at
@@ -692,7 +724,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     const int c = 2 * j + i;
     tc.q_pos[i] = c < valid_cols ? length - n_q + (col0 + c) / g : INT32_MAX;
   }
-  __syncthreads();  // q_frag ready; q_in / q_rot are dead from here (warp_o reuses them)
+  __syncthreads();  // q_frag ready; q_in / q_rot are dead from here
 
   // 3. The chunk's tiles, every 8th one per warp, segment by segment (tiles are numbered over
   // the sink, INT2 and recent segments in order).
@@ -703,8 +735,6 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   st.l[0] = st.l[1] = 0.0f;
   st.offset[0] = st.offset[1] = 0.0f;
   const float scale2 = args.scale2;
-  const int32_t sink_tiles = static_cast<int32_t>(attention_tiles(sink.tokens));
-  const int32_t body_tiles = static_cast<int32_t>(attention_tiles(body.tokens));
   auto bf16_segment = [&](const SegmentPages& seg, int32_t first_tile) {
     int32_t begin, end;
     chunk_tile_range(item, seg, first_tile, begin, end);
@@ -718,20 +748,12 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   };
   bf16_segment(sink, 0);
   {
-    int32_t begin, end;
-    chunk_tile_range(item, body, sink_tiles, begin, end);
+    const int32_t begin = body_begin, end = body_end;
     if (begin < end) {
-      // kInt2Stages tiles per warp: wait for the oldest, compute it, refill its stage.
-      const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
-      using S = Int2Stage<D>;
-      const uint32_t stages = smem_address(smem + L::int2_stages + warp * (kInt2Stages * S::kBytes));
-      const Int2CopyLane<D> copy = int2_copy_lane<D>(blocks, stages, lane);
+      // kInt2Stages tiles per warp (issued at 0.): wait for the oldest, compute it, refill its stage.
+      const Int2CopyLane<D> copy = int2_copy_lane<D>(int2_head_blocks(kv.k_int2, kv.v_int2, head), stages, lane);
       const Int2ReadLane read_lane = int2_read_lane<D>(stages, lane);
-      int32_t next = begin + warp;  // the next tile to issue
-#pragma unroll
-      for (int k = 0; k < kInt2Stages; ++k, next += kWarps) {
-        issue_int2_tile<D>(copy, body, next, copy_page<D>(body, copy, next, next < end), k * S::kBytes);
-      }
+      int32_t next = begin + warp + kInt2Stages * kWarps;  // the next tile to issue
       int32_t next_page = copy_page<D>(body, copy, next, next < end);
       // (Reading the next tile's fragments one tile ahead into registers measured 3 % slower
       // on the H200: more registers and moves for latency the other warps already hide.)
