@@ -41,6 +41,9 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 OSCAR_DEVICE uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 OSCAR_DEVICE __half2 bits_half2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
+OSCAR_DEVICE uint32_t bf16x2_bits(__nv_bfloat162 h) { return *reinterpret_cast<uint32_t*>(&h); }
+OSCAR_DEVICE __nv_bfloat162 bits_bf16x2(uint32_t u) { return *reinterpret_cast<__nv_bfloat162*>(&u); }
+
 OSCAR_DEVICE uint32_t pack_half2(float lo, float hi) { return half2_bits(__floats2half2_rn(lo, hi)); }
 OSCAR_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -67,6 +70,18 @@ OSCAR_DEVICE uint32_t unpack_field_biased(uint32_t w) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(magic) : "r"(w), "r"(0x00030003u << (2 * k)), "r"(0x64006400u));
   return magic;
 }
+
+// Codes of field k as two fp16 subnormals 4^k·c·2^-24, exact, in one AND: no bias to remove,
+// so nothing to round or cancel. The decode kernel's value MMAs take them as they are (fp16
+// MMAs are exact on subnormal inputs) and scale each output register by 2^24·4^-k once, after
+// its loop (value_field_scale); its BF16 value tiles meet them scaled by 4^k·2^-24.
+template <int k>
+OSCAR_DEVICE uint32_t unpack_field_subnormal(uint32_t w) {
+  return w & (0x00030003u << (2 * k));
+}
+
+// Code field k of value register i (value_channel: register i holds field i % 4).
+OSCAR_HOST_DEVICE constexpr int value_field(int i) { return i % 4; }
 
 // 2^x on the SFU, subnormal results flushed to 0 (exp2f adds a range reduction for them,
 // ~6 instructions per call; a probability below 2^-126 of the running max adds nothing).
@@ -223,7 +238,18 @@ struct LaneCodeWords {
 
 // INT2 values: registers u·8 .. u·8+7 (unit u of D/64) as exact fp16 codes, from the value
 // bytes vw[token] of tokens 2j, 2j+1, 2j+8, 2j+9 (one PRMT interleaves two tokens' bytes).
-template <int D>
+// kSubnormal: the codes as unpack_field_subnormal's 4^k·c·2^-24 (the decode kernel), else as
+// exact fp16 values c (the extend kernel).
+template <int k, bool kSubnormal>
+OSCAR_DEVICE uint32_t unpack_value_field(uint32_t w) {
+  if constexpr (kSubnormal) {
+    return unpack_field_subnormal<k>(w);
+  } else {
+    return unpack_field<k>(w);
+  }
+}
+
+template <int D, bool kSubnormal = false>
 OSCAR_DEVICE void int2_value_codes(const uint32_t (&vw)[4][LaneCodeWords<D>::kVWords], int u, uint32_t (&c01)[8],
                                    uint32_t (&c89)[8]) {
   uint32_t x[2];
@@ -238,14 +264,15 @@ OSCAR_DEVICE void int2_value_codes(const uint32_t (&vw)[4][LaneCodeWords<D>::kVW
     }
   }
   const uint32_t xlo0 = x[0], xhi0 = x[0] >> 8, xlo1 = x[1], xhi1 = x[1] >> 8;
-  c01[0] = unpack_field<0>(xlo0); c01[1] = unpack_field<1>(xlo0);
-  c01[2] = unpack_field<2>(xlo0); c01[3] = unpack_field<3>(xlo0);
-  c01[4] = unpack_field<0>(xhi0); c01[5] = unpack_field<1>(xhi0);
-  c01[6] = unpack_field<2>(xhi0); c01[7] = unpack_field<3>(xhi0);
-  c89[0] = unpack_field<0>(xlo1); c89[1] = unpack_field<1>(xlo1);
-  c89[2] = unpack_field<2>(xlo1); c89[3] = unpack_field<3>(xlo1);
-  c89[4] = unpack_field<0>(xhi1); c89[5] = unpack_field<1>(xhi1);
-  c89[6] = unpack_field<2>(xhi1); c89[7] = unpack_field<3>(xhi1);
+  constexpr bool S = kSubnormal;
+  c01[0] = unpack_value_field<0, S>(xlo0); c01[1] = unpack_value_field<1, S>(xlo0);
+  c01[2] = unpack_value_field<2, S>(xlo0); c01[3] = unpack_value_field<3, S>(xlo0);
+  c01[4] = unpack_value_field<0, S>(xhi0); c01[5] = unpack_value_field<1, S>(xhi0);
+  c01[6] = unpack_value_field<2, S>(xhi0); c01[7] = unpack_value_field<3, S>(xhi0);
+  c89[0] = unpack_value_field<0, S>(xlo1); c89[1] = unpack_value_field<1, S>(xlo1);
+  c89[2] = unpack_value_field<2, S>(xlo1); c89[3] = unpack_value_field<3, S>(xlo1);
+  c89[4] = unpack_value_field<0, S>(xhi1); c89[5] = unpack_value_field<1, S>(xhi1);
+  c89[6] = unpack_value_field<2, S>(xhi1); c89[7] = unpack_value_field<3, S>(xhi1);
 }
 
 // BF16 values: the lane's channels of tokens 2j, 2j+1, 2j+8, 2j+9 of a tile (zero past

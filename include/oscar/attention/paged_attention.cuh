@@ -7,15 +7,17 @@
 //   one (query token, query head) of the block's KV head; a decode step of a GQA group of up
 //   to 8 heads is one pass over the keys.
 // - INT2 keys: q·k̂ = s·(q·c) + offset·Σq per token, so the MMA runs on the raw codes. A code
-//   becomes an fp16 with one LOP3 (the field ORed into the mantissa of 1024: 1024 + 4^k·c) and
-//   one HFMA2 that removes the 1024 and the 4^k exactly, so the MMA sees c ∈ {0,1,2,3}. No
+//   becomes an fp16 with one LOP3 (the field ORed into the mantissa of 1024: 1024 + 4^k·c),
+//   met by q·4^-k, with the 1024·Σq' it adds removed through the accumulator's start. No
 //   channel shuffle: each lane reads contiguous bytes of a row, and q's channels are placed
 //   in the B fragment to match the bytes it reads (the fragment order is folded into q, not
 //   into the stored format, so format v1 pages are read as they are).
 // - INT2 values: o = Σ_t (p_t·s_t)·c_t + Σ_t p_t·offset_t. The probabilities are scaled per
 //   token, transposed into the B fragment with movmatrix, and the offset term is one running
 //   scalar per column. V^T is the A operand: two tokens' codes share a register, built with
-//   one PRMT per 2x16 codes.
+//   one PRMT per 2x16 codes; a code field enters as the fp16 subnormal 4^k·c·2^-24 (one AND,
+//   no bias), and each accumulator register is scaled back by its field's 2^24·4^-k once,
+//   after the warp's tiles (value_field_unit).
 // - BF16 tiles (sink/window, or a whole BF16 cache: our BF16 baseline) go through the same
 //   state; q is split into bf16 hi + lo parts there so the score keeps ~16 bits.
 // - Each warp owns every kWarps-th tile of the block's chunk and its own online-softmax state; the
@@ -98,6 +100,27 @@ inline constexpr int kCols = kAttentionTileColumns;
 // before its first exponential; a masked -inf score gives exp2(-inf) = 0 against it, and the
 // merges weigh an empty state by exp2(kNoKeyMax - m) = 0, or by 1 times its zero sums).
 inline constexpr float kNoKeyMax = -1e30f;
+
+// The unit of value accumulator registers of code field k while a block reads INT2 values:
+// the INT2 value codes enter the MMA as fp16 subnormals 4^k·c·2^-24 (unpack_field_subnormal:
+// one AND per two codes, no bias), so the accumulators hold o·4^k·2^-24 until
+// to_value_units_of_one scales them back, once per warp after its tiles.
+OSCAR_HOST_DEVICE constexpr float value_field_unit(int k) { return float(1 << (2 * k)) / float(1 << 24); }
+
+template <int D>
+OSCAR_DEVICE void to_value_units_of_one(float (&o)[D / 16][4]) {
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt) {
+    // o[mt][0..1]: register 2·mt of value_channel's order, o[mt][2..3]: register 2·mt + 1.
+    constexpr float kInv[4] = {1.0f / value_field_unit(0), 1.0f / value_field_unit(1), 1.0f / value_field_unit(2),
+                               1.0f / value_field_unit(3)};
+    const float lo = kInv[value_field(2 * mt)], hi = kInv[value_field(2 * mt + 1)];
+    o[mt][0] *= lo;
+    o[mt][1] *= lo;
+    o[mt][2] *= hi;
+    o[mt][3] *= hi;
+  }
+}
 
 template <int D>
 struct WarpState {
@@ -325,27 +348,19 @@ OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const Int2ReadLane& lane_a
   }
 }
 
-// Scores, softmax and values of one loaded INT2 tile.
+// The scores' MMAs of one loaded INT2 tile: acc[2·half + i] = Σ_c q'·c of key row r + 8·half
+// and column 2j + i, in log2 units before the tile's scale and offset (int2_tile_finish).
 template <int D>
-OSCAR_DEVICE void int2_tile(WarpState<D>& st, const KeyQueryFragments<D>& qf, const float (&qsum)[2],
-                            const float (&key_bias)[2],
-                            const Int2TileRaw<D>& raw, TileContext& tc, int lane) {
-  using Raw = Int2TileRaw<D>;
-  constexpr int kKWords = Raw::kKWords;
-  constexpr int kUnits = D / 64;  // 16-bit value units per lane per token
-  const int r = lane / 4;
-  tc.valid = raw.valid;
-  tc.key_position0 = raw.key_position0;
+OSCAR_DEVICE void int2_key_scores(float (&acc)[4], const KeyQueryFragments<D>& qf, const float (&key_bias)[2],
+                                  const Int2TileRaw<D>& raw) {
+  constexpr int kKWords = Int2TileRaw<D>::kKWords;
   const auto& kw = raw.kw;
-  const auto& vw = raw.vw;
-  const uint32_t* kmeta = raw.kmeta;
-  const uint32_t* vmeta = raw.vmeta;
-
-  // Scores (the whole row is one quantization group). Two accumulators, even and odd k-steps:
-  // a single one makes the D/16 MMAs one dependent chain (~30 cycles each), which two resident
-  // warps per scheduler cannot hide. The codes enter as 1024 + 4^k·c against q·4^-k, so acc
-  // starts at -1024·Σq' of its column (key_bias) to leave exactly Σ q·c.
-  float acc[4] = {-key_bias[0], -key_bias[1], -key_bias[0], -key_bias[1]};
+  // Two accumulators, even and odd k-steps: a single one makes the D/16 MMAs one dependent
+  // chain (~30 cycles each), which two resident warps per scheduler cannot hide. The codes
+  // enter as 1024 + 4^k·c against q·4^-k, so acc starts at -1024·Σq' of its column
+  // (key_bias) to leave exactly Σ q·c.
+  acc[0] = acc[2] = -key_bias[0];
+  acc[1] = acc[3] = -key_bias[1];
   float acc_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int wi = 0; wi < kKWords; ++wi) {
@@ -363,6 +378,19 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const KeyQueryFragments<D>& qf, co
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) acc[e] += acc_odd[e];
+}
+
+// Softmax and values of one loaded INT2 tile whose key scores' MMAs are in acc.
+template <int D>
+OSCAR_DEVICE void int2_tile_finish(WarpState<D>& st, const float (&acc)[4], const float (&qsum)[2],
+                                   const Int2TileRaw<D>& raw, TileContext& tc, int lane) {
+  constexpr int kUnits = D / 64;  // 16-bit value units per lane per token
+  const int r = lane / 4;
+  tc.valid = raw.valid;
+  tc.key_position0 = raw.key_position0;
+  const auto& vw = raw.vw;
+  const uint32_t* kmeta = raw.kmeta;
+  const uint32_t* vmeta = raw.vmeta;
   float sk[2], ok[2], sv[2], ov[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -392,7 +420,7 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const KeyQueryFragments<D>& qf, co
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
     uint32_t c01[8], c89[8];  // registers u*8 .. u*8+7 of the two token pairs
-    int2_value_codes<D>(vw, u, c01, c89);
+    int2_value_codes<D, true>(vw, u, c01, c89);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
@@ -401,11 +429,23 @@ OSCAR_DEVICE void int2_tile(WarpState<D>& st, const KeyQueryFragments<D>& qf, co
   }
 }
 
+// Scores, softmax and values of one loaded INT2 tile.
+template <int D>
+OSCAR_DEVICE void int2_tile(WarpState<D>& st, const KeyQueryFragments<D>& qf, const float (&qsum)[2],
+                            const float (&key_bias)[2], const Int2TileRaw<D>& raw, TileContext& tc, int lane) {
+  float acc[4];
+  int2_key_scores<D>(acc, qf, key_bias, raw);
+  int2_tile_finish<D>(st, acc, qsum, raw, tc, lane);
+}
+
 // One BF16 tile (sink, window, or a BF16 cache) for one warp. qb holds this lane's bf16
-// fragments of q: [k-step] {hi b0b1, hi b2b3, lo b0b1, lo b2b3}.
+// fragments of q: [k-step] {hi b0b1, hi b2b3, lo b0b1, lo b2b3}. subnormal_units: the block
+// also reads INT2 values, whose accumulators are in value_field_unit units, so these values
+// are scaled to them (exact powers of two).
 template <int D>
 OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef& kpool, const Bf16PoolRef& vpool,
-                            int32_t head, const TileHalves& th, const TileContext& tc, float scale2, int lane) {
+                            int32_t head, const TileHalves& th, const TileContext& tc, float scale2,
+                            bool subnormal_units, int lane) {
   constexpr int kVWords = D / 64;  // words per load of D/32 channels
   const int r = lane / 4;
   const int j = lane % 4;
@@ -445,6 +485,14 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
   for (int wi = 0; wi < kVWords; ++wi) {
     uint32_t c01[8], c89[8];
     bf16_value_pairs<D>(vw, wi, c01, c89);
+    if (subnormal_units) {  // the block's INT2 values accumulate in 4^k·2^-24 units (int2_tile)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const __nv_bfloat162 unit = __float2bfloat162_rn(value_field_unit(value_field(i)));  // exact
+        c01[i] = bf16x2_bits(__hmul2(bits_bf16x2(c01[i]), unit));
+        c89[i] = bf16x2_bits(__hmul2(bits_bf16x2(c89[i]), unit));
+      }
+    }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
@@ -735,6 +783,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   st.l[0] = st.l[1] = 0.0f;
   st.offset[0] = st.offset[1] = 0.0f;
   const float scale2 = args.scale2;
+  const bool subnormal_units = body_begin < body_end;  // value_field_unit: the block reads INT2 values
   auto bf16_segment = [&](const SegmentPages& seg, int32_t first_tile) {
     int32_t begin, end;
     chunk_tile_range(item, seg, first_tile, begin, end);
@@ -743,7 +792,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
       tc.key_position0 = seg.start + t0;
       tc.valid = min(seg.tokens - t0, kAttentionTileTokens);
       const TileHalves th = locate_tile(seg, t0);
-      bf16_tile<D>(st, q_frag + lane, kv.k_bf16, kv.v_bf16, head, th, tc, scale2, lane);
+      bf16_tile<D>(st, q_frag + lane, kv.k_bf16, kv.v_bf16, head, th, tc, scale2, subnormal_units, lane);
     }
   };
   bf16_segment(sink, 0);
@@ -777,6 +826,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     }
   }
   bf16_segment(recent, sink_tiles + body_tiles);
+  if (subnormal_units) to_value_units_of_one<D>(st.o);
 
   // 4. Merge the warps: sums over the 8 lanes of a column, then across warps in smem.
 #pragma unroll
