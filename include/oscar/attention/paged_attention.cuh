@@ -641,15 +641,26 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   const int warp = tid / 32;
   const int g = args.group_size;
 
+  const int32_t q_begin = args.decode ? b_req : p.qo_indptr[b_req];
+  const int32_t n_q = args.decode ? 1 : p.qo_indptr[b_req + 1] - q_begin;
+  const int col0 = item.column_tile * kCols;
+  const int valid_cols = min(kCols, n_q * g - col0);
+  // q's 16-byte load (8 channels, one per thread; the launcher checks q's alignment) goes out
+  // first: the page-table walk and the INT2 copies below then queue behind it, not it behind
+  // them (H200 timeline, B = 1: ~3 us of setup and ~6 us of q load + fragments).
+  static_assert(kCols * D / 8 <= kThreads, "one q load per thread");
+  const int q_col = tid / (D / 8), q_ch = (tid % (D / 8)) * 8;
+  uint4 q_raw = make_uint4(0, 0, 0, 0);
+  if (tid < kCols * D / 8 && q_col < valid_cols) {
+    const int64_t row = query_row(q_begin, col0 + q_col, g, p.num_qo_heads, head);
+    q_raw = __ldg(reinterpret_cast<const uint4*>(p.q + row * D + q_ch));
+  }
+
   // Each segment's pages resolved once (no per-tile table walks, no local arrays).
   const SegmentPages sink = segment_pages(kv.sink, b_req, 0);
   const SegmentPages body = segment_pages(kv.int2, b_req, sink.tokens);
   const SegmentPages recent = segment_pages(kv.recent, b_req, sink.tokens + body.tokens);
   const int32_t length = recent.start + recent.tokens;
-  const int32_t q_begin = args.decode ? b_req : p.qo_indptr[b_req];
-  const int32_t n_q = args.decode ? 1 : p.qo_indptr[b_req + 1] - q_begin;
-  const int col0 = item.column_tile * kCols;
-  const int valid_cols = min(kCols, n_q * g - col0);
 
   // 0. The chunk's first kInt2Stages INT2 tiles per warp are issued before anything else, so
   // their DRAM latency overlaps q's load and rotation and the sink's BF16 tiles.
@@ -670,25 +681,17 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     }
   }
 
-  // 1. q of the block's columns, rotated into the keys' basis.
-  // 16-byte loads of 8 channels (the launcher checks q's alignment): one load per thread at
-  // d = 128, where a load per channel with its row arithmetic cost ~1800 instructions.
-  for (int idx = tid; idx < kCols * D / 8; idx += kThreads) {
-    const int c = idx / (D / 8), i = (idx % (D / 8)) * 8;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (c < valid_cols) {
-      const int64_t row = query_row(q_begin, col0 + c, g, p.num_qo_heads, head);
-      raw = __ldg(reinterpret_cast<const uint4*>(p.q + row * D + i));
-    }
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  // 1. q of the block's columns (loaded above), rotated into the keys' basis.
+  if (tid < kCols * D / 8) {
+    const uint32_t words[4] = {q_raw.x, q_raw.y, q_raw.z, q_raw.w};
     float v[8];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {  // bf16 -> float is a 16-bit shift
       v[2 * e] = __uint_as_float(words[e] << 16);
       v[2 * e + 1] = __uint_as_float(words[e] & 0xffff0000u);
     }
-    *reinterpret_cast<float4*>(q_in + c * D + i) = make_float4(v[0], v[1], v[2], v[3]);
-    *reinterpret_cast<float4*>(q_in + c * D + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    *reinterpret_cast<float4*>(q_in + q_col * D + q_ch) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(q_in + q_col * D + q_ch + 4) = make_float4(v[4], v[5], v[6], v[7]);
   }
   __syncthreads();
   const float* q_basis = q_in;
@@ -901,9 +904,9 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     __syncthreads();
     chunk_merge_weights<kCols>(w, final_lse, chunks, tid, kThreads);
     // Σ_k w_k·o_k for this block's valid columns. Each thread owns kPerThread elements and
-    // walks the chunks for all of them at once, four chunks at a time: 4·kPerThread loads in
-    // flight instead of four (the merge is one block's serial tail of a split request, and
-    // chunks / 4 dependent L2 round trips per element were most of it at B = 1).
+    // walks the chunks for all of them at once, eight chunks at a time: 8·kPerThread loads in
+    // flight (the merge is one block's serial tail of a split request: ~7.5 us of B = 1 32K
+    // with four chunks at a time, each batch an L2 round trip).
     constexpr int kPerThread = kCols * D / kThreads;
     static_assert(kCols * D % kThreads == 0);
     const float* base = args.partial_o + (size_t(item.first_item) * num_kv_heads + head) * kCols * D;
@@ -929,7 +932,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
       }
     };
     int k = 0;
-    for (; k + 4 <= chunks; k += 4) merge_chunks(k, std::integral_constant<int, 4>{});
+    for (; k + 8 <= chunks; k += 8) merge_chunks(k, std::integral_constant<int, 8>{});
     for (; k < chunks; ++k) merge_chunks(k, std::integral_constant<int, 1>{});
 #pragma unroll
     for (int e = 0; e < kPerThread; ++e) {
