@@ -67,8 +67,9 @@ struct KernelConfig {
 #endif
   static constexpr int kThreads = kWarps * 32;
   static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps per block");
-  // q's fp16 fragments for the INT2 keys (D/8 registers per lane) live in shared memory where
-  // registers are short, and are read there per k-step (one LDS.64 per MMA).
+  // OSCAR_ATTENTION_Q_SHARED=1 keeps q's fp16 fragments for the INT2 keys (D/8 registers per
+  // lane) in shared memory, read per k-step (one LDS.64 per MMA): a measurement knob for when
+  // registers are short; at 3 blocks per SM it bought nothing on the H200 (docs/benchmarks.md).
 #ifdef OSCAR_ATTENTION_Q_SHARED
   static constexpr bool kQueryFragmentsShared = OSCAR_ATTENTION_Q_SHARED != 0;
 #else
@@ -77,7 +78,7 @@ struct KernelConfig {
 };
 
 // This lane's fp16 B fragments of q for the INT2 key MMAs, k-step s: {b0b1, b2b3}, prescaled by
-// 4^-(s%4) to meet the code fields as int2_tile unpacks them. In registers, or (where
+// 4^-(s%4) to meet the code fields as int2_key_scores unpacks them, and by sm_scale·log2(e). In registers, or (where
 // KernelConfig says so) in shared memory, [D/16][32] uint2 at this lane.
 template <int D>
 struct KeyQueryFragments {
