@@ -687,9 +687,9 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     const uint32_t words[4] = {q_raw.x, q_raw.y, q_raw.z, q_raw.w};
     float v[8];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {  // bf16 -> float is a 16-bit shift
-      v[2 * e] = __uint_as_float(words[e] << 16);
-      v[2 * e + 1] = __uint_as_float(words[e] & 0xffff0000u);
+    for (int e = 0; e < 4; ++e) {
+      v[2 * e] = bf16_to_float(bf16_t{static_cast<uint16_t>(words[e])});
+      v[2 * e + 1] = bf16_to_float(bf16_t{static_cast<uint16_t>(words[e] >> 16)});
     }
     *reinterpret_cast<float4*>(q_in + q_col * D + q_ch) = make_float4(v[0], v[1], v[2], v[3]);
     *reinterpret_cast<float4*>(q_in + q_col * D + q_ch + 4) = make_float4(v[4], v[5], v[6], v[7]);
