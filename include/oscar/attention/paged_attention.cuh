@@ -502,6 +502,17 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
   }
 }
 
+// Calls f<NC>() with NC = kCols / 2 when the block's valid columns fit (4 of 8 at a GQA group of
+// 4, the headline shape), else kCols: the rotations then only work on columns that exist.
+template <class F>
+OSCAR_DEVICE void with_column_count(int valid_cols, F&& f) {
+  if (valid_cols <= kCols / 2) {
+    f.template operator()<kCols / 2>();
+  } else {
+    f.template operator()<kCols>();
+  }
+}
+
 // q_rot[c] = q_in[c]·R (rows [kCols][D] float in shared memory) for columns c < NC; the other
 // columns of q_rot are zeroed, as q_in's are. Thread i owns channel i of every column: four
 // rows of R per step and q read as float4 (one shared load per column and 4 channels), ~11
@@ -597,7 +608,8 @@ struct SharedLayout {
   static constexpr size_t q_rot = final_o + sizeof(float) * kCols * D;       // float [8][D], the prologue only
   static constexpr size_t stats = q_rot + sizeof(float) * kCols * D;         // float [3][warps][8] + [8]
   static constexpr size_t key_q_frag = stats + sizeof(float) * (3 * kWarps * kCols + kCols) + 16;  // uint2 [D/16][32]
-  static constexpr size_t bytes = key_q_frag + (KernelConfig<D>::kQueryFragmentsShared ? sizeof(uint2) * (D / 16) * 32 : 0);
+  static constexpr size_t key_q_frag_bytes = KernelConfig<D>::kQueryFragmentsShared ? sizeof(uint2) * (D / 16) * 32 : 0;
+  static constexpr size_t bytes = key_q_frag + key_q_frag_bytes;
   static_assert(kMaxAttentionChunks * kCols <= kWarps * kCols * D, "merge weights reuse warp_o");
 };
 
@@ -697,12 +709,9 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   __syncthreads();
   const float* q_basis = q_in;
   if (p.q_rotation) {
-    // Only the valid columns (4 of 8 at a GQA group of 4, the headline shape) are rotated.
-    if (valid_cols <= kCols / 2) {
-      rotate_query_columns<D, kCols / 2, kThreads>(q_in, p.q_rotation, q_rot, tid);
-    } else {
-      rotate_query_columns<D, kCols, kThreads>(q_in, p.q_rotation, q_rot, tid);
-    }
+    with_column_count(valid_cols, [&]<int NC>() {
+      rotate_query_columns<D, NC, kThreads>(q_in, p.q_rotation, q_rot, tid);
+    });
     __syncthreads();
     q_basis = q_rot;
   }
@@ -944,11 +953,9 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   }
 
   // 6. Output: un-rotate by R_Vᵀ (o·R_Vᵀ: out_i = Σ_k o_k R_ik), round to bf16.
-  if (valid_cols <= kCols / 2) {
-    write_output_columns<D, kCols / 2, kThreads>(final_o, p, q_begin, col0, valid_cols, g, head, tid);
-  } else {
-    write_output_columns<D, kCols, kThreads>(final_o, p, q_begin, col0, valid_cols, g, head, tid);
-  }
+  with_column_count(valid_cols, [&]<int NC>() {
+    write_output_columns<D, NC, kThreads>(final_o, p, q_begin, col0, valid_cols, g, head, tid);
+  });
   if (p.lse && tid < valid_cols) {
     const int gc = col0 + tid;
     const int64_t row = query_row(q_begin, gc, g, p.num_qo_heads, head);
