@@ -50,6 +50,16 @@ OSCAR_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Eight bf16 values (one 16-byte load of q: channel 2e in the low half of word e) as floats.
+OSCAR_DEVICE void bf16x8_to_float(uint4 raw, float (&v)[8]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    v[2 * e] = bf16_to_float(bf16_t{static_cast<uint16_t>(words[e])});
+    v[2 * e + 1] = bf16_to_float(bf16_t{static_cast<uint16_t>(words[e] >> 16)});
+  }
+}
+
 // Codes of field k (bits 2k..2k+1 of bytes 0 and 2 of w) as two exact fp16 values 0..3.
 template <int k>
 OSCAR_DEVICE uint32_t unpack_field(uint32_t w) {
