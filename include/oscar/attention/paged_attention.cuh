@@ -213,6 +213,7 @@ struct Int2TileRaw {
 // per-warp stage and reads its fragments from there: a handful of copies and shared loads per
 // lane instead of ten dependent global loads with their 64-bit address arithmetic, and the
 // bytes in flight wait in shared memory rather than in registers.
+// 6 or 8 stages measured slower on the H200 at every shape (B = 1 32K 37.0 -> 37.8 / 38.5 us).
 inline constexpr int kInt2Stages = 4;  // tiles per warp in flight or being computed
 
 // Stage layout: K codes [16][D/4], V codes [16][D/4], K meta [16] words, V meta [16] words.
@@ -523,8 +524,8 @@ OSCAR_DEVICE void rotate_query_columns(const float* q_in, const float* rotation,
     float acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    // 32 rows of R in flight per batch: the prologue of every block waits on these L2 reads.
-    constexpr int kBatch = D < 32 ? D : 32;
+    // 64 rows of R in flight per batch: the prologue of every block waits on these L2 reads.
+    constexpr int kBatch = D < 64 ? D : 64;
     for (int k0 = 0; k0 < D; k0 += kBatch) {
       float rk[kBatch];
 #pragma unroll
@@ -558,8 +559,8 @@ OSCAR_DEVICE void write_output_columns(const float* final_o, const PagedAttentio
 #pragma unroll
       for (int c = 0; c < NC; ++c) out[c] = 0.0f;
       const float4* row = reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D);
-      // 8 float4 of the row in flight per batch: this is the serial tail of a split request.
-      constexpr int kBatch = 8;
+      // 16 float4 of the row in flight per batch: this is the serial tail of a split request.
+      constexpr int kBatch = 16;
       static_assert(D / 4 % kBatch == 0);
       for (int b = 0; b < D / 4; b += kBatch) {
         float4 rv[kBatch];
@@ -588,6 +589,47 @@ OSCAR_DEVICE void write_output_columns(const float* final_o, const PagedAttentio
         reinterpret_cast<__nv_bfloat16*>(p.out)[row * D + i] = __float2bfloat16_rn(out[c]);
       }
     }
+  }
+}
+
+// Σ_k w_k·o_k over a split request's chunks for the block's valid columns (c < valid_cols <= NC),
+// into final_o. The partial outputs are in L2, so this serial tail of the last block is a few
+// round trips: each thread owns NC·D/threads elements and keeps up to 64 loads in flight (16 chunks
+// at a time at d = 128, GQA 4); a remainder batch is predicated, not walked a chunk per round trip
+// (38 chunks at B = 1 32K were 10 round trips, ~7.5 us on the H200).
+template <int D, int NC, int kThreads>
+OSCAR_DEVICE void merge_chunk_outputs(const float* base, size_t stride, const float* w, int chunks, int valid_cols,
+                                      float* final_o, int tid) {
+  constexpr int kPerThread = NC * D / kThreads;
+  static_assert(NC * D % kThreads == 0 && kPerThread >= 1);
+  // Loads in flight: 64, or 32 where the kernel runs in 128 registers (d = 64: 64 spilled).
+  constexpr int kInFlight = KernelConfig<D>::kMinBlocks >= 4 ? 32 : 64;
+  constexpr int kBatch = kInFlight / kPerThread;  // chunks in flight
+  float o[kPerThread];
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e) o[e] = 0.0f;
+  for (int k0 = 0; k0 < chunks; k0 += kBatch) {
+    float v[kBatch][kPerThread];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        const int idx = tid + e * kThreads;  // columns past valid_cols were never written
+        v[k][e] = k0 + k < chunks && idx < valid_cols * D ? __ldcg(base + (k0 + k) * stride + idx) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        if (k0 + k < chunks) o[e] = fmaf(w[(k0 + k) * kCols + (tid + e * kThreads) / D], v[k][e], o[e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e) {
+    const int idx = tid + e * kThreads;
+    if (idx < valid_cols * D) final_o[idx] = o[e];  // Σ w = 1, or every weight 0 for an empty state
   }
 }
 
@@ -669,11 +711,21 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     q_raw = __ldg(reinterpret_cast<const uint4*>(p.q + row * D + q_ch));
   }
 
+  // R_Vᵀ is read in the tail of the request's last block, after the loop: each chunk's block
+  // asks L2 for its share of R_V's lines now, so that tail finds them there, not in DRAM.
+  if (p.output_unrotation) {
+    constexpr int kLines = D * D * int(sizeof(float)) / 128;
+    const int chunk = item_index - item.first_item;
+    const int first = chunk * kLines / item.num_chunks, last = (chunk + 1) * kLines / item.num_chunks;
+    for (int line = first + tid; line < last; line += kThreads) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(p.output_unrotation) + 128 * line));
+    }
+  }
+
   // Each segment's pages resolved once (no per-tile table walks, no local arrays).
   const SegmentPages sink = segment_pages(kv.sink, b_req, 0);
   const SegmentPages body = segment_pages(kv.int2, b_req, sink.tokens);
   const SegmentPages recent = segment_pages(kv.recent, b_req, sink.tokens + body.tokens);
-  const int32_t length = recent.start + recent.tokens;
 
   // 0. The chunk's first kInt2Stages INT2 tiles per warp are issued before anything else, so
   // their DRAM latency overlaps q's load and rotation and the sink's BF16 tiles.
@@ -696,13 +748,8 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
 
   // 1. q of the block's columns (loaded above), rotated into the keys' basis.
   if (tid < kCols * D / 8) {
-    const uint32_t words[4] = {q_raw.x, q_raw.y, q_raw.z, q_raw.w};
     float v[8];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      v[2 * e] = bf16_to_float(bf16_t{static_cast<uint16_t>(words[e])});
-      v[2 * e + 1] = bf16_to_float(bf16_t{static_cast<uint16_t>(words[e] >> 16)});
-    }
+    bf16x8_to_float(q_raw, v);
     *reinterpret_cast<float4*>(q_in + q_col * D + q_ch) = make_float4(v[0], v[1], v[2], v[3]);
     *reinterpret_cast<float4*>(q_in + q_col * D + q_ch + 4) = make_float4(v[4], v[5], v[6], v[7]);
   }
@@ -720,16 +767,18 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   const int r = lane / 4, j = lane % 4;
   KeyQueryFragments<D> qf;
   uint32_t frag[D / 16][2];
+  float q_part = 0.0f;  // Σ of column r's float q over this lane's channels (a quarter of them)
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
     const int wi = s / 4, k = s % 4;
     const int ch = j * (D / 16) + 4 * wi + k * (D / 4);
-    const float* qn = q_basis + r * D;  // column n = lane/4
+    const float4 qv = *reinterpret_cast<const float4*>(q_basis + r * D + ch);  // column n = lane/4
     // k-step s meets code field k (the 4^-k is exact); sm_scale·log2(e) is folded in here, so
     // the scores leave the MMA in log2 units.
     const float inv = args.scale2 / float(1 << (2 * k));
-    frag[s][0] = pack_half2(qn[ch + 0] * inv, qn[ch + 2] * inv);
-    frag[s][1] = pack_half2(qn[ch + 1] * inv, qn[ch + 3] * inv);
+    frag[s][0] = pack_half2(qv.x * inv, qv.z * inv);
+    frag[s][1] = pack_half2(qv.y * inv, qv.w * inv);
+    q_part += (qv.x + qv.y) + (qv.z + qv.w);
   }
   if constexpr (KeyQueryFragments<D>::kShared) {
     uint2* shared = reinterpret_cast<uint2*>(smem + L::key_q_frag);
@@ -757,12 +806,15 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     key_bias[0] = 1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j));
     key_bias[1] = 1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j + 1));
   }
+  // Σ q·sm_scale·log2(e) of this lane's accumulator columns 2j, 2j+1, for the keys' offsets: the
+  // lanes' quarters summed over the 4 lanes of a column, as for key_bias (a serial walk over the
+  // D channels here was ~4.6 us of every block's prologue at d = 128, H200).
   float qsum[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float sum = 0.0f;
-    for (int k = 0; k < D; ++k) sum += q_basis[(2 * j + i) * D + k];
-    qsum[i] = sum * args.scale2;
+  {
+    q_part += __shfl_xor_sync(kFullMask, q_part, 1);
+    q_part += __shfl_xor_sync(kFullMask, q_part, 2);
+    qsum[0] = args.scale2 * __shfl_sync(kFullMask, q_part, 4 * (2 * j));
+    qsum[1] = args.scale2 * __shfl_sync(kFullMask, q_part, 4 * (2 * j + 1));
   }
   for (int idx = tid; idx < (D / 16) * 32; idx += kThreads) {
     const int s = idx / 32, ln = idx % 32;
@@ -778,12 +830,18 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     q_frag[idx] = make_uint4(pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3]), pack_bf16x2(lo[0], lo[1]),
                              pack_bf16x2(lo[2], lo[3]));
   }
+  // The queries' positions, for the causal mask of an extend; a decode never masks, so it
+  // skips them (their first use waited on the recent table's loads before the barrier below).
   TileContext tc;
   tc.causal = !args.decode;
+  tc.q_pos[0] = tc.q_pos[1] = INT32_MAX;
+  if (tc.causal) {
+    const int32_t length = recent.start + recent.tokens;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int c = 2 * j + i;
-    tc.q_pos[i] = c < valid_cols ? length - n_q + (col0 + c) / g : INT32_MAX;
+    for (int i = 0; i < 2; ++i) {
+      const int c = 2 * j + i;
+      if (c < valid_cols) tc.q_pos[i] = length - n_q + (col0 + c) / g;
+    }
   }
   __syncthreads();  // q_frag ready; q_in / q_rot are dead from here
 
@@ -870,21 +928,34 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
       my_o[(2 * j + i) * D + ch_hi] = st.o[mt][2 + i];
     }
   }
-  __syncthreads();
-  for (int idx = tid; idx < kCols * D; idx += kThreads) {
-    const int c = idx / D;
+  // Each column's warp weights once, in place (thread c owns column c's stats): warp_l becomes
+  // e_w / Σ e_w·l_w, warp_off[c] the merged offset term, so the elements below are plain
+  // weighted sums (an exp2 and a division per element and warp were ~1 us of the tail).
+  if (tid < kCols) {
+    const int c = tid;
     float m = kNoKeyMax;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_m[w * kCols + c]);
-    float sum = 0.0f, o = 0.0f;
+    float e[kWarps], sum = 0.0f, off = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {  // an empty warp state: weight 0, or 1 on zero sums
-      const float e = exp2f(warp_m[w * kCols + c] - m);
-      sum += e * warp_l[w * kCols + c];
-      o += e * (warp_o[(w * kCols) * D + idx] + warp_off[w * kCols + c]);
+      e[w] = exp2f(warp_m[w * kCols + c] - m);
+      sum += e[w] * warp_l[w * kCols + c];
+      off += e[w] * warp_off[w * kCols + c];
     }
-    final_o[idx] = sum == 0.0f ? 0.0f : o / sum;  // NaN stays NaN
-    if (idx % D == 0) final_lse[c] = sum == 0.0f ? -INFINITY : m + log2f(sum);
+    const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) warp_l[w * kCols + c] = e[w] * inv;
+    warp_off[c] = off * inv;
+    final_lse[c] = sum == 0.0f ? -INFINITY : m + log2f(sum);
+  }
+  __syncthreads();
+  for (int idx = tid; idx < kCols * D; idx += kThreads) {
+    const int c = idx / D;
+    float o = warp_off[c];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) o = fmaf(warp_l[w * kCols + c], warp_o[(w * kCols) * D + idx], o);
+    final_o[idx] = final_lse[c] == -INFINITY ? 0.0f : o;  // no key: 0; a NaN of a seen key stays NaN
   }
   __syncthreads();
 
@@ -904,51 +975,29 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     __syncthreads();
     if (!is_last_block) return;
     __threadfence();
-    // Weights of the chunks per column, in parallel: w[k][c] = exp2(lse_k - max) / Σ.
+    // Weights of the chunks per column, in parallel: w[k][c] = exp2(lse_k - max) / Σ. The lse
+    // loads all go out at once (one L2 round trip).
     float* w = warp_o;  // dead since step 4; kMaxChunks x 8 floats
     const int chunks = item.num_chunks;
-    for (int idx = tid; idx < chunks * kCols; idx += kThreads) {
+    constexpr int kLsePerThread = (kMaxAttentionChunks * kCols + kThreads - 1) / kThreads;
+    float lse_k[kLsePerThread];
+#pragma unroll
+    for (int e = 0; e < kLsePerThread; ++e) {
+      const int idx = tid + e * kThreads;
       const size_t s2 = size_t(item.first_item + idx / kCols) * num_kv_heads + head;
-      w[idx] = __ldcg(args.partial_lse + s2 * kCols + idx % kCols);
+      lse_k[e] = idx < chunks * kCols ? __ldcg(args.partial_lse + s2 * kCols + idx % kCols) : 0.0f;
+    }
+#pragma unroll
+    for (int e = 0; e < kLsePerThread; ++e) {
+      if (tid + e * kThreads < chunks * kCols) w[tid + e * kThreads] = lse_k[e];
     }
     __syncthreads();
     chunk_merge_weights<kCols>(w, final_lse, chunks, tid, kThreads);
-    // Σ_k w_k·o_k for this block's valid columns. Each thread owns kPerThread elements and
-    // walks the chunks for all of them at once, eight chunks at a time: 8·kPerThread loads in
-    // flight (the merge is one block's serial tail of a split request: ~7.5 us of B = 1 32K
-    // with four chunks at a time, each batch an L2 round trip).
-    constexpr int kPerThread = kCols * D / kThreads;
-    static_assert(kCols * D % kThreads == 0);
     const float* base = args.partial_o + (size_t(item.first_item) * num_kv_heads + head) * kCols * D;
     const size_t stride = size_t(num_kv_heads) * kCols * D;  // one chunk further
-    float o[kPerThread];
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) o[e] = 0.0f;
-    auto merge_chunks = [&](int k0, auto count) {
-      constexpr int kCount = decltype(count)::value;
-      float v[kCount][kPerThread];
-#pragma unroll
-      for (int k = 0; k < kCount; ++k) {
-#pragma unroll
-        for (int e = 0; e < kPerThread; ++e) {
-          const int idx = tid + e * kThreads;  // columns past valid_cols were never written
-          v[k][e] = idx < valid_cols * D ? __ldcg(base + (k0 + k) * stride + idx) : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kCount; ++k) {
-#pragma unroll
-        for (int e = 0; e < kPerThread; ++e) o[e] = fmaf(w[(k0 + k) * kCols + (tid + e * kThreads) / D], v[k][e], o[e]);
-      }
-    };
-    int k = 0;
-    for (; k + 8 <= chunks; k += 8) merge_chunks(k, std::integral_constant<int, 8>{});
-    for (; k < chunks; ++k) merge_chunks(k, std::integral_constant<int, 1>{});
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int idx = tid + e * kThreads;
-      if (idx < valid_cols * D) final_o[idx] = o[e];  // Σ w = 1, or every weight 0 for an empty state
-    }
+    with_column_count(valid_cols, [&]<int NC>() {
+      merge_chunk_outputs<D, NC, kThreads>(base, stride, w, chunks, valid_cols, final_o, tid);
+    });
     __syncthreads();
   }
 
