@@ -550,44 +550,67 @@ OSCAR_DEVICE void rotate_query_columns(const float* q_in, const float* rotation,
 // The block's output rows, columns c < valid_cols <= NC of final_o ([kCols][D] float in shared
 // memory): un-rotated by R_Vᵀ (o·R_Vᵀ: out_i = Σ_k o_k R_ik) unless the engine folds it, rounded
 // to bf16.
+// The un-rotation reads R by rows, 8 lanes per row: each load of a warp is 4 whole 128-byte
+// lines (a thread per row made every load touch 32 lines, and the L1 serves a load a line at a
+// time: ~3 us of the serial tail at d = 128, H200). Lane li of a row covers the float4 chunks
+// li, li + 8, ... of k; the 8 partial sums of a row meet by shuffles.
 template <int D, int NC, int kThreads>
 OSCAR_DEVICE void write_output_columns(const float* final_o, const PagedAttentionParams& p, int32_t q_begin, int col0,
                                        int valid_cols, int g, int32_t head, int tid) {
-  for (int i = tid; i < D; i += kThreads) {
-    float out[NC];
-    if (p.output_unrotation) {
+  auto store = [&](int c, int i, float v) {
+    const int64_t row = query_row(q_begin, col0 + c, g, p.num_qo_heads, head);
+    reinterpret_cast<__nv_bfloat16*>(p.out)[row * D + i] = __float2bfloat16_rn(v);
+  };
+  if (!p.output_unrotation) {
+    for (int i = tid; i < D; i += kThreads) {
 #pragma unroll
-      for (int c = 0; c < NC; ++c) out[c] = 0.0f;
-      const float4* row = reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D);
-      // 16 float4 of the row in flight per batch: this is the serial tail of a split request.
-      constexpr int kBatch = 16;
-      static_assert(D / 4 % kBatch == 0);
-      for (int b = 0; b < D / 4; b += kBatch) {
-        float4 rv[kBatch];
-#pragma unroll
-        for (int k4 = 0; k4 < kBatch; ++k4) rv[k4] = __ldg(row + b + k4);
-#pragma unroll
-        for (int k4 = 0; k4 < kBatch; ++k4) {
-#pragma unroll
-          for (int c = 0; c < NC; ++c) {
-            const float4 o = *reinterpret_cast<const float4*>(final_o + c * D + 4 * (b + k4));
-            out[c] = fmaf(o.x, rv[k4].x, out[c]);
-            out[c] = fmaf(o.y, rv[k4].y, out[c]);
-            out[c] = fmaf(o.z, rv[k4].z, out[c]);
-            out[c] = fmaf(o.w, rv[k4].w, out[c]);
-          }
-        }
+      for (int c = 0; c < NC; ++c) {
+        if (c < valid_cols) store(c, i, final_o[c * D + i]);
       }
-    } else {
+    }
+    return;
+  }
+  constexpr int kRowsPerWarp = D / (kThreads / 32);
+  constexpr int kSteps = D / 32;  // float4 chunks of a row per lane
+  // 16 float4 loads in flight per lane (8 at d = 256, whose kernel then spilled ~400 bytes).
+  constexpr int kInFlight = D == 256 ? 8 : 16;
+  constexpr int kGroups = std::min(std::max(kInFlight / kSteps, 1), kRowsPerWarp / 4);  // 4-row groups per batch
+  static_assert(kRowsPerWarp % (4 * kGroups) == 0);
+  const int warp = tid / 32, lane = tid % 32, rr = lane / 8, li = lane % 8;
+  const float4* rotation = reinterpret_cast<const float4*>(p.output_unrotation);
+  const uint32_t o_lane = smem_address(final_o) + 16 * li;  // this lane's first float4 of column 0
+#pragma unroll 1
+  for (int r0 = warp * kRowsPerWarp; r0 < (warp + 1) * kRowsPerWarp; r0 += 4 * kGroups) {
+    float4 rv[kGroups][kSteps];  // a batch's loads, all in flight
 #pragma unroll
-      for (int c = 0; c < NC; ++c) out[c] = final_o[c * D + i];
+    for (int gi = 0; gi < kGroups; ++gi) {
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st) rv[gi][st] = __ldg(rotation + (r0 + 4 * gi + rr) * (D / 4) + li + 8 * st);
     }
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      if (c < valid_cols) {
-        const int64_t row = query_row(q_begin, col0 + c, g, p.num_qo_heads, head);
-        reinterpret_cast<__nv_bfloat16*>(p.out)[row * D + i] = __float2bfloat16_rn(out[c]);
+    for (int gi = 0; gi < kGroups; ++gi) {
+      float part[NC];
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        part[c] = 0.0f;
+#pragma unroll
+        for (int st = 0; st < kSteps; ++st) {
+          // (volatile shared loads: as plain loads the compiler kept all NC·kSteps of them live
+          // across the groups, 64 registers, and the kernel spilled)
+          const uint4 o = lds_v4(o_lane + 16 * (c * (D / 4) + 8 * st));
+          part[c] = fmaf(__uint_as_float(o.x), rv[gi][st].x, part[c]);
+          part[c] = fmaf(__uint_as_float(o.y), rv[gi][st].y, part[c]);
+          part[c] = fmaf(__uint_as_float(o.z), rv[gi][st].z, part[c]);
+          part[c] = fmaf(__uint_as_float(o.w), rv[gi][st].w, part[c]);
+        }
+#pragma unroll
+        for (int m = 1; m < 8; m *= 2) part[c] += __shfl_xor_sync(kFullMask, part[c], m);
       }
+      // Every lane of the row now holds all NC sums; lane li stores column li.
+      float v = 0.0f;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) v = li == c ? part[c] : v;
+      if (li < NC && li < valid_cols) store(li, r0 + 4 * gi + rr, v);
     }
   }
 }
