@@ -258,37 +258,54 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
   extern __shared__ __align__(16) float s_rotation[];
   __shared__ float s_row[kAppendWarps][kHeadDim];
   __shared__ uint8_t s_codes[kAppendWarps][kHeadDim];
-  if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
   const int layer = blockIdx.y / 2;
   const bool is_value = blockIdx.y % 2;
   const float* rotation = plane_rotation<kHeadDim>(p, layer, is_value);
-  if constexpr (kStageRotation<kHeadDim>) {
-    if (rotation) {
-      // Every 16-byte chunk in flight at once (cp.async), then one wait: the block pays one
-      // memory latency for R, not one per loop trip.
-      const char* from = reinterpret_cast<const char*>(rotation);
-      char* to = reinterpret_cast<char*>(s_rotation);
-      for (int i = threadIdx.x; i < kHeadDim * kHeadDim / 4; i += blockDim.x) {
-        __pipeline_memcpy_async(to + 16 * i, from + 16 * i, 16);
-      }
-      __pipeline_commit();
-      __pipeline_wait_prior(0);
-      __syncthreads();
-      rotation = s_rotation;
-    }
-  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t heads = p.pools.k_int2.num_kv_heads;
   const uint32_t total = uint32_t(p.num_tokens) * heads;
+  const uint32_t stride = gridDim.x * kAppendWarps;
   const WritePlane plane = write_plane(p.pools, layer, is_value);
   const bf16_t* input = plane_input(p, layer, is_value);
-  for (uint32_t row = blockIdx.x * kAppendWarps + warp; row < total; row += gridDim.x * kAppendWarps) {
+  // R's copies, the slot check and each warp's first input row and slot go out together, and
+  // every row's input is loaded a row ahead: a decode-sized append waited for them one after
+  // another, each a memory round trip, before any arithmetic.
+  bf16_t next[kPerLane];
+  TokenSlot next_slot{};
+  auto load_row = [&](uint32_t row) {
+    if (row >= total) return;
     const uint32_t token = row / heads, head = row % heads;
-    const TokenSlot slot = p.slots[token];
     const bf16_t* in = input + token * p.in_stride_token + head * kHeadDim;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) next[e] = in[lane + 32 * e];
+    next_slot = p.slots[token];  // in range (token < num_tokens); used only once the launch is valid
+  };
+  const bool stage = kStageRotation<kHeadDim> && rotation;
+  if (stage) {
+    // Every 16-byte chunk in flight at once (cp.async), then one wait: the block pays one
+    // memory latency for R, not one per loop trip.
+    const char* from = reinterpret_cast<const char*>(rotation);
+    char* to = reinterpret_cast<char*>(s_rotation);
+    for (int i = threadIdx.x; i < kHeadDim * kHeadDim / 4; i += blockDim.x) {
+      __pipeline_memcpy_async(to + 16 * i, from + 16 * i, 16);
+    }
+    __pipeline_commit();
+  }
+  load_row(blockIdx.x * kAppendWarps + warp);
+  const bool valid = entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok);
+  if (stage) {
+    __pipeline_wait_prior(0);  // also before an invalid launch's exit: no copy lands after it
+    __syncthreads();
+    rotation = s_rotation;
+  }
+  if (!valid) return;
+  for (uint32_t row = blockIdx.x * kAppendWarps + warp; row < total; row += stride) {
+    const uint32_t head = row % heads;
+    const TokenSlot slot = next_slot;
     float* x = s_row[warp];
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) x[lane + 32 * e] = bf16_to_float(in[lane + 32 * e]);
+    for (int e = 0; e < kPerLane; ++e) x[lane + 32 * e] = bf16_to_float(next[e]);
+    load_row(row + stride);  // in flight during this row's rotation and store
     __syncwarp();
     float y[kPerLane];
     if (rotation) {
