@@ -193,6 +193,48 @@ void BM_CopyBandwidth(benchmark::State& state) {
   cudaFree(b);
 }
 
+#ifdef OSCAR_ATTENTION_TIMELINE
+// The decode kernel's phases in the last timed run (attention_timeline.cuh), on stderr: the
+// stamps of the block that finished last, relative to the first block's start, then each
+// phase's average over the blocks that stamped it. A stamp older than the run's first start
+// is an earlier run's (a block's role, last to arrive or not, changes between runs).
+void print_timeline(const char* what, int blocks) {
+  using namespace oscar::attention_detail;
+  static unsigned long long h[kTimelineBlocks][kTimelineMarks];
+  check(cudaMemcpyFromSymbol(h, g_attention_timeline, sizeof(h)), "timeline copy");
+  blocks = std::min(blocks, kTimelineBlocks);
+  unsigned long long t0 = ~0ull, t_end = 0;
+  int last = 0;
+  for (int b = 0; b < blocks; ++b) t0 = std::min(t0, h[b][kMarkStart]);
+  auto stamped = [&](int b, int m) { return h[b][m] >= t0; };
+  for (int b = 0; b < blocks; ++b) {
+    for (int m : {int(kMarkPublished), int(kMarkEnd)}) {
+      if (stamped(b, m) && h[b][m] > t_end) t_end = h[b][m], last = b;
+    }
+  }
+  static const char* const names[kTimelineMarks] = {"start",  "issued",    "q",         "rotated",       "fragments", "loop",
+                                                    "tiles", "warps",     "published", "chunks merged", "end"};
+  std::fprintf(stderr, "timeline %s: %d blocks, span %.2f us; last block:", what, blocks, (t_end - t0) / 1e3);
+  for (int m = 0; m < kTimelineMarks; ++m) {
+    if (stamped(last, m)) std::fprintf(stderr, " %s %.2f", names[m], (h[last][m] - t0) / 1e3);
+  }
+  std::fprintf(stderr, "; phase averages (us):");
+  for (int m = 1; m < kTimelineMarks; ++m) {
+    double sum = 0;
+    int count = 0;
+    for (int b = 0; b < blocks; ++b) {
+      if (!stamped(b, m)) continue;
+      int prev = m == kMarkChunksMerged ? int(kMarkWarpsMerged) : m - 1;  // the last block skips "published"
+      while (prev > 0 && !stamped(b, prev)) --prev;
+      sum += double(h[b][m] - h[b][prev]);
+      ++count;
+    }
+    if (count > 0) std::fprintf(stderr, " %s %.2f", names[m], sum / count / 1e3);
+  }
+  std::fprintf(stderr, "\n");
+}
+#endif
+
 void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, int hkv, int d, int page, bool int2,
                   int queries) {
   Problem problem(batch, length, hq, hkv, d, page, int2, 64, 256, queries);
@@ -201,6 +243,13 @@ void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, in
   if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
   state.counters["items"] = double(problem.plan.items.size());
   state.counters["blocks/SM"] = double(problem.blocks_per_sm);
+#ifdef OSCAR_ATTENTION_TIMELINE
+  if (!problem.plan.row_tiled()) {
+    const std::string what = "B" + std::to_string(batch) + " L" + std::to_string(length) + " d" + std::to_string(d) +
+                             " Q" + std::to_string(queries) + (int2 ? " int2" : " bf16");
+    print_timeline(what.c_str(), int(problem.plan.items.size()) * hkv);
+  }
+#endif
 }
 
 }  // namespace

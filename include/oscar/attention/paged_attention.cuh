@@ -39,6 +39,7 @@
 
 #include "oscar/attention/attention_fragments.cuh"
 #include "oscar/attention/attention_plan.hpp"
+#include "oscar/attention/attention_timeline.cuh"
 #include "oscar/attention/extend_attention.cuh"
 #include "oscar/attention/paged_attention_params.hpp"
 #include "oscar/core/status.hpp"
@@ -718,6 +719,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   const int lane = tid % 32;
   const int warp = tid / 32;
   const int g = args.group_size;
+  timeline_mark(kMarkStart);
 
   const int32_t q_begin = args.decode ? b_req : p.qo_indptr[b_req];
   const int32_t n_q = args.decode ? 1 : p.qo_indptr[b_req + 1] - q_begin;
@@ -769,6 +771,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     }
   }
 
+  timeline_mark(kMarkIssued);
   // 1. q of the block's columns (loaded above), rotated into the keys' basis.
   if (tid < kCols * D / 8) {
     float v[8];
@@ -778,6 +781,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   }
   __syncthreads();
   const float* q_basis = q_in;
+  timeline_mark(kMarkQLoaded);
   if (p.q_rotation) {
     with_column_count(valid_cols, [&]<int NC>() {
       rotate_query_columns<D, NC, kThreads>(q_in, p.q_rotation, q_rot, tid);
@@ -785,6 +789,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     __syncthreads();
     q_basis = q_rot;
   }
+  timeline_mark(kMarkRotated);
 
   // 2. This lane's fragments: fp16 q for INT2 keys (registers), bf16 hi/lo for BF16 keys (smem).
   const int r = lane / 4, j = lane % 4;
@@ -853,6 +858,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     q_frag[idx] = make_uint4(pack_bf16x2(hi[0], hi[1]), pack_bf16x2(hi[2], hi[3]), pack_bf16x2(lo[0], lo[1]),
                              pack_bf16x2(lo[2], lo[3]));
   }
+  timeline_mark(kMarkFragments);
   // The queries' positions, for the causal mask of an extend; a decode never masks, so it
   // skips them (their first use waited on the recent table's loads before the barrier below).
   TileContext tc;
@@ -867,6 +873,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     }
   }
   __syncthreads();  // q_frag ready; q_in / q_rot are dead from here
+  timeline_mark(kMarkLoopStart);
 
   // 3. The chunk's tiles, every 8th one per warp, segment by segment (tiles are numbered over
   // the sink, INT2 and recent segments in order).
@@ -920,6 +927,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     }
   }
   bf16_segment(recent, sink_tiles + body_tiles);
+  timeline_mark(kMarkLoopEnd);
   if (subnormal_units) to_value_units_of_one<D>(st.o);
 
   // 4. Merge the warps: sums over the 8 lanes of a column, then across warps in smem.
@@ -982,6 +990,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   }
   __syncthreads();
 
+  timeline_mark(kMarkWarpsMerged);
   // 5. Split requests: publish the partial state; the last block to arrive merges them all.
   if (item.num_chunks > 1) {
     const size_t slot = size_t(item_index) * num_kv_heads + head;
@@ -996,7 +1005,10 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
       if (is_last_block) *counter = 0;  // ready for the next run (CUDA-graph replay)
     }
     __syncthreads();
-    if (!is_last_block) return;
+    if (!is_last_block) {
+      timeline_mark(kMarkPublished);
+      return;
+    }
     __threadfence();
     // Weights of the chunks per column, in parallel: w[k][c] = exp2(lse_k - max) / Σ. The lse
     // loads all go out at once (one L2 round trip).
@@ -1024,6 +1036,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     __syncthreads();
   }
 
+  timeline_mark(kMarkChunksMerged);
   // 6. Output: un-rotate by R_Vᵀ (o·R_Vᵀ: out_i = Σ_k o_k R_ik), round to bf16.
   with_column_count(valid_cols, [&]<int NC>() {
     write_output_columns<D, NC, kThreads>(final_o, p, q_begin, col0, valid_cols, g, head, tid);
@@ -1033,6 +1046,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     const int64_t row = query_row(q_begin, gc, g, p.num_qo_heads, head);
     p.lse[row] = final_lse[tid] * kLn2;
   }
+  timeline_mark(kMarkEnd);
 }
 
 inline Status cuda_status(cudaError_t error, const char* what) {
