@@ -50,7 +50,16 @@ OSCAR_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Four bf16 values (one 8-byte load: channel 2e in the low half of word e) as floats.
+OSCAR_DEVICE float4 bf16x4_to_float4(uint2 raw) {
+  return make_float4(bf16_to_float(bf16_t{static_cast<uint16_t>(raw.x)}),
+                     bf16_to_float(bf16_t{static_cast<uint16_t>(raw.x >> 16)}),
+                     bf16_to_float(bf16_t{static_cast<uint16_t>(raw.y)}),
+                     bf16_to_float(bf16_t{static_cast<uint16_t>(raw.y >> 16)}));
+}
+
 // Eight bf16 values (one 16-byte load of q: channel 2e in the low half of word e) as floats.
+// (Written out rather than as two bf16x4_to_float4: that reschedules the d = 256 decode kernel.)
 OSCAR_DEVICE void bf16x8_to_float(uint4 raw, float (&v)[8]) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll

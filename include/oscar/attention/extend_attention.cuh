@@ -426,11 +426,7 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
       if (args.rotated_q) {
         v = *reinterpret_cast<const float4*>(args.rotated_q + qrow * D + i);
       } else {
-        const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p.q + qrow * D + i));
-        v = make_float4(bf16_to_float(bf16_t{static_cast<uint16_t>(raw.x)}),
-                        bf16_to_float(bf16_t{static_cast<uint16_t>(raw.x >> 16)}),
-                        bf16_to_float(bf16_t{static_cast<uint16_t>(raw.y)}),
-                        bf16_to_float(bf16_t{static_cast<uint16_t>(raw.y >> 16)}));
+        v = bf16x4_to_float4(__ldg(reinterpret_cast<const uint2*>(p.q + qrow * D + i)));
       }
     }
     *reinterpret_cast<float4*>(q_rows + row * D + i) = v;

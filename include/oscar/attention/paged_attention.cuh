@@ -727,7 +727,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   const int valid_cols = min(kCols, n_q * g - col0);
   // q's 16-byte load (8 channels, one per thread; the launcher checks q's alignment) goes out
   // first: the page-table walk and the INT2 copies below then queue behind it, not it behind
-  // them (H200 timeline, B = 1: ~3 us of setup and ~6 us of q load + fragments).
+  // them.
   static_assert(kCols * D / 8 <= kThreads, "one q load per thread");
   const int q_col = tid / (D / 8), q_ch = (tid % (D / 8)) * 8;
   uint4 q_raw = make_uint4(0, 0, 0, 0);

@@ -291,7 +291,8 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
     }
     __pipeline_commit();
   }
-  load_row(blockIdx.x * kAppendWarps + warp);
+  const uint32_t first_row = blockIdx.x * kAppendWarps + warp;
+  load_row(first_row);
   const bool valid = entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok);
   if (stage) {
     __pipeline_wait_prior(0);  // also before an invalid launch's exit: no copy lands after it
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
     rotation = s_rotation;
   }
   if (!valid) return;
-  for (uint32_t row = blockIdx.x * kAppendWarps + warp; row < total; row += stride) {
+  for (uint32_t row = first_row; row < total; row += stride) {
     const uint32_t head = row % heads;
     const TokenSlot slot = next_slot;
     float* x = s_row[warp];
