@@ -661,29 +661,54 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
     }
   }
   auto slot_of = [&](int k) { return (size_t(item.first_item + k) * num_kv_heads + head) * kExtendRows + tile_row0; };
-  for (int idx = tid; idx < chunks * kMergeRows; idx += kMergeThreads) {
-    w[idx] = args.partial_lse[slot_of(idx / kMergeRows) + idx % kMergeRows];
+  // The lse loads all go out at once (one L2 round trip; a loop over them waited for each).
+  constexpr int kLsePerThread = (kMaxAttentionChunks * kMergeRows + kMergeThreads - 1) / kMergeThreads;
+  float lse_k[kLsePerThread];
+#pragma unroll
+  for (int e = 0; e < kLsePerThread; ++e) {
+    const int idx = tid + e * kMergeThreads;
+    lse_k[e] = idx < chunks * kMergeRows ? __ldcg(args.partial_lse + slot_of(idx / kMergeRows) + idx % kMergeRows) : 0.0f;
+  }
+#pragma unroll
+  for (int e = 0; e < kLsePerThread; ++e) {
+    if (tid + e * kMergeThreads < chunks * kMergeRows) w[tid + e * kMergeThreads] = lse_k[e];
   }
   __syncthreads();  // w and the staged R_V
   chunk_merge_weights<kMergeRows>(w, lse, chunks, tid, kMergeThreads);
-  // Σ_k w_k·o_k with eight chunks' loads in flight per element (one at a time, the loop is a
-  // chain of L2 round trips).
+  // Σ_k w_k·o_k, chunk by chunk in k order: each thread owns kPerThread elements and keeps 64
+  // loads in flight (8 chunks of 8 elements at d = 128), the last batch predicated. (A loop
+  // over a thread's elements, each with its own 8-chunk batches and a round trip per
+  // leftover chunk, chained 8 x chunks / 8 L2 round trips at d = 128; on the H200 the
+  // change measured within noise of that at Q = 64 / 256, 251 / 814 -> 249 / 809 us:
+  // the merge is a small part of those extends.)
+  constexpr int kPerThread = kMergeRows * D / kMergeThreads;
+  static_assert(kMergeRows * D % kMergeThreads == 0 && kPerThread >= 1);
+  constexpr int kBatch = 64 / kPerThread;
   const size_t chunk_stride = size_t(num_kv_heads) * kExtendRows * D;
-  for (int idx = tid; idx < kMergeRows * D; idx += kMergeThreads) {
-    const int rr = idx / D;
-    const float* base = args.partial_o + slot_of(0) * D + idx;
-    float acc = 0.0f;
-    int k = 0;
-    for (; k + 8 <= chunks; k += 8) {
-      float v[8];
+  const float* base = args.partial_o + slot_of(0) * D + tid;
+  float acc[kPerThread];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = __ldcg(base + (k + e) * chunk_stride);
+  for (int e = 0; e < kPerThread; ++e) acc[e] = 0.0f;
+  for (int k0 = 0; k0 < chunks; k0 += kBatch) {
+    float v[kBatch][kPerThread];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc += w[(k + e) * kMergeRows + rr] * v[e];
+    for (int k = 0; k < kBatch; ++k) {
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        v[k][e] = k0 + k < chunks ? __ldcg(base + (k0 + k) * chunk_stride + e * kMergeThreads) : 0.0f;
+      }
     }
-    for (; k < chunks; ++k) acc += w[k * kMergeRows + rr] * __ldcg(base + k * chunk_stride);
-    o[idx] = acc;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        const int rr = (tid + e * kMergeThreads) / D;
+        if (k0 + k < chunks) acc[e] = fmaf(w[(k0 + k) * kMergeRows + rr], v[k][e], acc[e]);
+      }
+    }
   }
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e) o[tid + e * kMergeThreads] = acc[e];
   __syncthreads();
   // Thread (i, part): output channel i of rows part, part + P, ... (P = threads / D).
   constexpr int kParts = kMergeThreads / D;
