@@ -3,6 +3,9 @@
 //   build/bench/bench_write_gpu --benchmark_min_time=0.2
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include "common/random.hpp"
@@ -83,6 +86,30 @@ void report_copy_share(benchmark::State& state) {
   }
 }
 
+#ifdef OSCAR_WRITE_TIMELINE
+// append_kernel's phases in the last timed run (write_timeline.cuh), on stderr: the span from
+// the first block's start to the last block's end, and each phase's average over the blocks,
+// in cycles of their SM.
+void print_write_timeline(const char* what, int blocks) {
+  using namespace oscar::write_detail;
+  static unsigned long long h[kWriteTimelineBlocks][kWriteTimelineMarks + 2];
+  check(cudaMemcpyFromSymbol(h, g_write_timeline, sizeof(h)), "write timeline copy");
+  blocks = std::min(blocks, kWriteTimelineBlocks);
+  unsigned long long t0 = ~0ull, t1 = 0;
+  double phase[kWriteTimelineMarks] = {};
+  for (int b = 0; b < blocks; ++b) {
+    t0 = std::min(t0, h[b][kWriteTimelineStart]);
+    t1 = std::max(t1, h[b][kWriteTimelineEnd]);
+    for (int m = 1; m < kWriteTimelineMarks; ++m) phase[m] += double(h[b][m] - h[b][m - 1]);
+  }
+  static const char* const names[kWriteTimelineMarks] = {"start", "issued", "checked", "staged", "first row", "end"};
+  std::fprintf(stderr, "write timeline %s: %d blocks, span %.2f us; phase averages (cycles):", what, blocks,
+               (t1 - t0) / 1e3);
+  for (int m = 1; m < kWriteTimelineMarks; ++m) std::fprintf(stderr, " %s %.0f", names[m], phase[m] / blocks);
+  std::fprintf(stderr, "\n");
+}
+#endif
+
 // Decode: one new token per request, into the BF16 window, K and V rotated.
 void BM_AppendDecode(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
@@ -100,6 +127,10 @@ void BM_AppendDecode(benchmark::State& state) {
   const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
   oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
   report_copy_share(state);
+#ifdef OSCAR_WRITE_TIMELINE
+  const dim3 grid = write_detail::grid_for(int64_t{batch} * kHeads, 2, write_detail::kAppendWarps);
+  print_write_timeline(("B" + std::to_string(batch)).c_str(), int(grid.x * grid.y));
+#endif
 }
 BENCHMARK(BM_AppendDecode)->Arg(1)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
 

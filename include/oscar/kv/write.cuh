@@ -22,6 +22,7 @@
 #include "oscar/core/numeric.hpp"
 #include "oscar/core/status.hpp"
 #include "oscar/kv/tile_rotation.cuh"
+#include "oscar/kv/write_timeline.cuh"
 #include "oscar/kv/write_params.hpp"
 #include "oscar/quant/clip.hpp"
 #include "oscar/quant/format.hpp"
@@ -255,6 +256,7 @@ inline constexpr int kAppendSmemBytes = kStageRotation<kHeadDim> ? kHeadDim * kH
 template <int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendParams p) {
   constexpr int kPerLane = kHeadDim / 32;
+  write_timeline_mark(kWriteStart);
   extern __shared__ __align__(16) float s_rotation[];
   __shared__ float s_row[kAppendWarps][kHeadDim];
   __shared__ uint8_t s_codes[kAppendWarps][kHeadDim];
@@ -293,12 +295,15 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
   }
   const uint32_t first_row = blockIdx.x * kAppendWarps + warp;
   load_row(first_row);
+  write_timeline_mark(kWriteIssued);
   const bool valid = entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok);
+  write_timeline_mark(kWriteChecked);
   if (stage) {
     __pipeline_wait_prior(0);  // also before an invalid launch's exit: no copy lands after it
     __syncthreads();
     rotation = s_rotation;
   }
+  write_timeline_mark(kWriteStaged);
   if (!valid) return;
   for (uint32_t row = first_row; row < total; row += stride) {
     const uint32_t head = row % heads;
@@ -325,6 +330,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
     }
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) y[e] = round_to_bf16(y[e]);
+    if (row == first_row) write_timeline_mark(kWriteFirstRow);
     __syncwarp();  // everyone is done reading x before the next row overwrites it
     if (!slot.int2) {
       bf16_t* out = plane.bf16.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
@@ -336,6 +342,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
                                           plane.int2.layout.meta(block, slot.slot), lane);
     }
   }
+  write_timeline_end();
 }
 
 // The bulk form of append_kernel: tiles of 64 rows (token-major, head-minor) are loaded with
