@@ -345,6 +345,127 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
   write_timeline_end();
 }
 
+// ---- append with R in registers (head_dim <= 128) --------------------------------------------
+// Thread j of a block owns output column j: it holds R's column j (R_0j .. R_(D-1)j) in D
+// registers for the whole launch and accumulates y_j = Σ_i x_i R_ij with fma in i order (the
+// CPU reference's bytes), x_i of kColumnRows rows broadcast from shared memory in one float4,
+// so every row's rotation reads nothing of R from memory and runs kColumnRows independent fma
+// chains per thread. append_kernel, which stages R in shared memory and rotates one row per
+// warp, reads all of R (64 KB at d = 128) from shared memory for every row: ~5400 cycles per
+// row and SM, half of a decode append (docs/benchmarks.md).
+inline constexpr int kColumnRows = 4;  // the float4 of x below
+
+template <int kHeadDim>
+inline constexpr bool kColumnKernel = kHeadDim <= 128;  // R's column must fit in registers
+
+// blockIdx.y = layer * 2 + (0: K, 1: V); blockIdx.x strides over groups of kColumnRows rows
+// (token-major, head-minor). blockDim.x = kHeadDim.
+template <int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(kHeadDim) append_columns_kernel(const AppendParams p) {
+  constexpr int kRows = kColumnRows;
+  static_assert(kRows == 4, "one float4 of x per i");
+  constexpr int kWarps = kHeadDim / 32;
+  constexpr int kPerLane = kHeadDim / 32;
+  write_timeline_mark(kWriteStart);
+  __shared__ __align__(16) float s_x[kHeadDim][kRows];  // x_i of the group's rows: one float4 per i
+  __shared__ float s_y[kRows][kHeadDim];                // rotated rows bound for INT2 pages
+  __shared__ TokenSlot s_slot[kRows];
+  __shared__ uint8_t s_codes[kWarps][kHeadDim];
+  const int layer = blockIdx.y / 2;
+  const bool is_value = blockIdx.y % 2;
+  const float* rotation = plane_rotation<kHeadDim>(p, layer, is_value);
+  const int j = threadIdx.x, warp = j / 32, lane = j % 32;
+  const uint32_t heads = p.pools.k_int2.num_kv_heads;
+  const uint32_t total = uint32_t(p.num_tokens) * heads;
+  const uint32_t groups = (total + kRows - 1) / kRows;
+  const WritePlane plane = write_plane(p.pools, layer, is_value);
+  const bf16_t* input = plane_input(p, layer, is_value);
+
+  // R's column, the slot check and the first group's rows go out together: each is a memory
+  // round trip, and a decode-sized append has little else to wait on.
+  float r_col[kHeadDim];
+  if (rotation) {
+#pragma unroll
+    for (int i = 0; i < kHeadDim; ++i) r_col[i] = __ldg(rotation + i * kHeadDim + j);  // coalesced per warp
+  }
+  bf16_t next_x[kRows];
+  TokenSlot next_slot{};
+  auto load_group = [&](uint32_t group) {
+    if (group >= groups) return;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const uint32_t row = group * kRows + r;
+      // (Rows past the end read as 0 and are never stored.)
+      next_x[r] = row < total ? input[(row / heads) * p.in_stride_token + (row % heads) * kHeadDim + j] : bf16_t{0};
+    }
+    const uint32_t row = group * kRows + j;
+    if (j < kRows && row < total) next_slot = p.slots[row / heads];  // in range; used only once the launch is valid
+  };
+  uint32_t group = blockIdx.x;
+  load_group(group);
+  write_timeline_mark(kWriteIssued);
+  const bool valid = entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok);
+  write_timeline_mark(kWriteChecked);
+  if (!valid) return;
+  for (; group < groups; group += gridDim.x) {
+    // The previous group's readers of s_x, s_y and s_slot are done (the barrier at the loop's end).
+    *reinterpret_cast<float4*>(s_x[j]) =
+        make_float4(bf16_to_float(next_x[0]), bf16_to_float(next_x[1]), bf16_to_float(next_x[2]), bf16_to_float(next_x[3]));
+    if (j < kRows) s_slot[j] = next_slot;
+    __syncthreads();
+    if (group == blockIdx.x) write_timeline_mark(kWriteStaged);
+    load_group(group + gridDim.x);  // in flight during this group's rotation and stores
+    float y[kRows];
+    if (rotation) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) y[r] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kHeadDim; ++i) {
+        const float4 x = *reinterpret_cast<const float4*>(s_x[i]);  // one address per warp: a broadcast
+        y[0] = fmaf(x.x, r_col[i], y[0]);
+        y[1] = fmaf(x.y, r_col[i], y[1]);
+        y[2] = fmaf(x.z, r_col[i], y[2]);
+        y[3] = fmaf(x.w, r_col[i], y[3]);
+      }
+    } else {
+      const float4 x = *reinterpret_cast<const float4*>(s_x[j]);
+      y[0] = x.x, y[1] = x.y, y[2] = x.z, y[3] = x.w;
+    }
+    if (group == blockIdx.x) write_timeline_mark(kWriteFirstRow);
+    bool any_int2 = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const uint32_t row = group * kRows + r;
+      if (row >= total) break;
+      const TokenSlot slot = s_slot[r];  // the same for every thread: no divergence
+      const float v = round_to_bf16(y[r]);
+      if (!slot.int2) {
+        bf16_t* out = plane.bf16.row(slot.page, row % heads, slot.slot) + layer * p.pools.bf16_stride_layer;
+        out[j] = float_to_bf16(v);
+      } else {
+        s_y[r][j] = v;
+        any_int2 = true;
+      }
+    }
+    if (any_int2) {  // block-uniform
+      __syncthreads();
+      for (int r = warp; r < kRows; r += kWarps) {
+        const uint32_t row = group * kRows + r;
+        const TokenSlot slot = s_slot[r];
+        if (row >= total || !slot.int2) continue;
+        float x[kPerLane];
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) x[e] = s_y[r][lane + 32 * e];
+        uint8_t* block = plane.int2.block(slot.page, row % heads) + layer * p.pools.int2_stride_layer;
+        warp_quantize_row<kHeadDim, kGroup>(x, plane.clip_k, s_codes[warp], plane.int2.layout.codes(block, slot.slot),
+                                            plane.int2.layout.meta(block, slot.slot), lane);
+      }
+    }
+    __syncthreads();
+  }
+  write_timeline_end();
+}
+
 // The bulk form of append_kernel: tiles of 64 rows (token-major, head-minor) are loaded with
 // cp.async, rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that
 // rotated them, into BF16 slots or through the same quantizer. Grid: (blocks over tiles,
@@ -512,6 +633,32 @@ inline std::string tensor_core_rotation_blocker(const AppendParams& p) {
   return {};
 }
 
+// Blocks along x per (layer, K/V) plane for the column kernel. Every block loads all of its
+// plane's R from L2 (64 KB at d = 128: about a microsecond at one SM's share of the L2
+// bandwidth, H200), so a decode-sized append gets at most one block per SM and plane, each
+// rotating a few groups of rows; only where every block would have more than
+// kColumnGroupsPerLoad groups does the grid fill the SMs with as many blocks as fit.
+inline constexpr int64_t kColumnGroupsPerLoad = 4;
+inline unsigned column_blocks(int64_t rows, int planes, int resident_per_sm) {
+  const int64_t sms = multiprocessors();
+  const int64_t groups = (rows + kColumnRows - 1) / kColumnRows;
+  const int64_t one_per_sm = std::max<int64_t>(1, sms / planes);
+  const int64_t cap = groups > one_per_sm * kColumnGroupsPerLoad
+                          ? std::max<int64_t>(1, sms * resident_per_sm / planes)
+                          : one_per_sm;
+  return static_cast<unsigned>(std::clamp<int64_t>(groups, 1, std::min<int64_t>(cap, 65535)));
+}
+
+template <int D, int G>
+int column_kernel_blocks_per_sm() {
+  static const int per_sm = [] {
+    int blocks = 1;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, append_columns_kernel<D, G>, D, 0);
+    return blocks > 0 ? blocks : 1;
+  }();
+  return per_sm;
+}
+
 template <int D, int G>
 Status launch_append_tensor_cores(const AppendParams& params, int64_t rows, cudaStream_t stream) {
   if constexpr (D > 128) {
@@ -568,6 +715,12 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
   const Int2Layout& layout = params.pools.k_int2.layout;
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
     if (tensor_cores) return launch_append_tensor_cores<D, G>(params, rows, stream);
+    if constexpr (kColumnKernel<D>) {
+      const int planes = params.pools.num_layers * 2;
+      const dim3 grid(column_blocks(rows, planes, column_kernel_blocks_per_sm<D, G>()), static_cast<unsigned>(planes));
+      append_columns_kernel<D, G><<<grid, D, 0, stream>>>(params);
+      return cuda_status(cudaGetLastError(), "append_kv launch");
+    }
     constexpr int smem = kAppendSmemBytes<D>;
     static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
         cudaFuncSetAttribute(append_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

@@ -1,4 +1,5 @@
-// A measurement knob for append_kernel's phases (the decode append of the write path). Built
+// A measurement knob for the phases of a decode append (append_columns_kernel, and
+// append_kernel at head_dim 256). Built
 // with OSCAR_WRITE_TIMELINE defined, thread 0 of every block stamps clock64 at each
 // WriteTimelineMark, and %globaltimer at the block's start and end, into g_write_timeline;
 // bench_write_gpu prints, after each decode-append benchmark's last timed run, the span from
@@ -16,10 +17,10 @@ namespace oscar::write_detail {
 
 enum WriteTimelineMark : int {
   kWriteStart,     // the block's first instruction
-  kWriteIssued,    // R's copies and the first row's loads issued
+  kWriteIssued,    // R's loads (or copies) and the first rows' loads issued
   kWriteChecked,   // the slots checked (block-wide)
-  kWriteStaged,    // R landed in shared memory and visible to the block
-  kWriteFirstRow,  // warp 0's first row rotated
+  kWriteStaged,    // R in shared memory (append_kernel) / the first rows in shared memory (columns)
+  kWriteFirstRow,  // the first row (group of rows) rotated
   kWriteEnd,       // every warp done (after a barrier)
   kWriteTimelineMarks
 };
