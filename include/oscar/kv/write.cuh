@@ -353,7 +353,13 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
 // chains per thread. append_kernel, which stages R in shared memory and rotates one row per
 // warp, reads all of R (64 KB at d = 128) from shared memory for every row: ~5400 cycles per
 // row and SM, half of a decode append (docs/benchmarks.md).
-inline constexpr int kColumnRows = 4;  // the float4 of x below
+// OSCAR_APPEND_COLUMN_ROWS (4 or 8) overrides it: a measurement knob.
+#ifdef OSCAR_APPEND_COLUMN_ROWS
+inline constexpr int kColumnRows = OSCAR_APPEND_COLUMN_ROWS;
+#else
+inline constexpr int kColumnRows = 4;
+#endif
+static_assert(kColumnRows % 4 == 0, "x of the group's rows is read as float4s");
 
 template <int kHeadDim>
 inline constexpr bool kColumnKernel = kHeadDim <= 128;  // R's column must fit in registers
@@ -363,11 +369,10 @@ inline constexpr bool kColumnKernel = kHeadDim <= 128;  // R's column must fit i
 template <int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kHeadDim) append_columns_kernel(const AppendParams p) {
   constexpr int kRows = kColumnRows;
-  static_assert(kRows == 4, "one float4 of x per i");
   constexpr int kWarps = kHeadDim / 32;
   constexpr int kPerLane = kHeadDim / 32;
   write_timeline_mark(kWriteStart);
-  __shared__ __align__(16) float s_x[kHeadDim][kRows];  // x_i of the group's rows: one float4 per i
+  __shared__ __align__(16) float s_x[kHeadDim][kRows];  // x_i of the group's rows: kRows / 4 float4 per i
   __shared__ float s_y[kRows][kHeadDim];                // rotated rows bound for INT2 pages
   __shared__ TokenSlot s_slot[kRows];
   __shared__ uint8_t s_codes[kWarps][kHeadDim];
@@ -409,8 +414,12 @@ __global__ void __launch_bounds__(kHeadDim) append_columns_kernel(const AppendPa
   if (!valid) return;
   for (; group < groups; group += gridDim.x) {
     // The previous group's readers of s_x, s_y and s_slot are done (the barrier at the loop's end).
-    *reinterpret_cast<float4*>(s_x[j]) =
-        make_float4(bf16_to_float(next_x[0]), bf16_to_float(next_x[1]), bf16_to_float(next_x[2]), bf16_to_float(next_x[3]));
+#pragma unroll
+    for (int q = 0; q < kRows / 4; ++q) {
+      *reinterpret_cast<float4*>(&s_x[j][4 * q]) =
+          make_float4(bf16_to_float(next_x[4 * q]), bf16_to_float(next_x[4 * q + 1]), bf16_to_float(next_x[4 * q + 2]),
+                      bf16_to_float(next_x[4 * q + 3]));
+    }
     if (j < kRows) s_slot[j] = next_slot;
     __syncthreads();
     if (group == blockIdx.x) write_timeline_mark(kWriteStaged);
@@ -421,15 +430,18 @@ __global__ void __launch_bounds__(kHeadDim) append_columns_kernel(const AppendPa
       for (int r = 0; r < kRows; ++r) y[r] = 0.0f;
 #pragma unroll
       for (int i = 0; i < kHeadDim; ++i) {
-        const float4 x = *reinterpret_cast<const float4*>(s_x[i]);  // one address per warp: a broadcast
-        y[0] = fmaf(x.x, r_col[i], y[0]);
-        y[1] = fmaf(x.y, r_col[i], y[1]);
-        y[2] = fmaf(x.z, r_col[i], y[2]);
-        y[3] = fmaf(x.w, r_col[i], y[3]);
+#pragma unroll
+        for (int q = 0; q < kRows / 4; ++q) {
+          const float4 x = *reinterpret_cast<const float4*>(&s_x[i][4 * q]);  // one address per warp: a broadcast
+          y[4 * q] = fmaf(x.x, r_col[i], y[4 * q]);
+          y[4 * q + 1] = fmaf(x.y, r_col[i], y[4 * q + 1]);
+          y[4 * q + 2] = fmaf(x.z, r_col[i], y[4 * q + 2]);
+          y[4 * q + 3] = fmaf(x.w, r_col[i], y[4 * q + 3]);
+        }
       }
     } else {
-      const float4 x = *reinterpret_cast<const float4*>(s_x[j]);
-      y[0] = x.x, y[1] = x.y, y[2] = x.z, y[3] = x.w;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) y[r] = s_x[j][r];
     }
     if (group == blockIdx.x) write_timeline_mark(kWriteFirstRow);
     bool any_int2 = false;
