@@ -361,8 +361,14 @@ inline constexpr int kColumnRows = 4;
 #endif
 static_assert(kColumnRows % 4 == 0, "x of the group's rows is read as float4s");
 
+// Exact appends at head_dim <= 128 (R's column must fit in registers) take this kernel where
+// OSCAR_APPEND_COLUMN_KERNEL is 1; until it has run on a device, append_kernel stays the
+// default.
+#ifndef OSCAR_APPEND_COLUMN_KERNEL
+#define OSCAR_APPEND_COLUMN_KERNEL 0
+#endif
 template <int kHeadDim>
-inline constexpr bool kColumnKernel = kHeadDim <= 128;  // R's column must fit in registers
+inline constexpr bool kColumnKernel = OSCAR_APPEND_COLUMN_KERNEL && kHeadDim <= 128;
 
 // blockIdx.y = layer * 2 + (0: K, 1: V); blockIdx.x strides over groups of kColumnRows rows
 // (token-major, head-minor). blockDim.x = kHeadDim.
