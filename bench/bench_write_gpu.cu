@@ -127,7 +127,7 @@ void BM_AppendDecode(benchmark::State& state) {
   oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
   report_copy_share(state);
 #ifdef OSCAR_WRITE_TIMELINE
-  const dim3 grid = write_detail::kColumnKernel<kDim>
+  const dim3 grid = write_detail::use_column_kernel(int64_t{batch} * kHeads, 2, true)
                        ? dim3(write_detail::column_blocks(int64_t{batch} * kHeads, 2,
                                                           write_detail::column_kernel_blocks_per_sm<kDim, kDim>()),
                               2)
@@ -137,7 +137,7 @@ void BM_AppendDecode(benchmark::State& state) {
   print_write_timeline(what, int(grid.x * grid.y));
 #endif
 }
-BENCHMARK(BM_AppendDecode)->Arg(1)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AppendDecode)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Arg(32)->Arg(64)->Arg(128)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 // Bulk prefill: 32K tokens x 8 KV heads straight into INT2 pages; the rotation on tensor
 // cores (what kAuto picks for this size) or the exact FMA path.

@@ -348,11 +348,13 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const AppendPara
 // ---- append with R in registers (head_dim <= 128) --------------------------------------------
 // Thread j of a block owns output column j: it holds R's column j (R_0j .. R_(D-1)j) in D
 // registers for the whole launch and accumulates y_j = Σ_i x_i R_ij with fma in i order (the
-// CPU reference's bytes), x_i of kColumnRows rows broadcast from shared memory in one float4,
-// so every row's rotation reads nothing of R from memory and runs kColumnRows independent fma
-// chains per thread. append_kernel, which stages R in shared memory and rotates one row per
-// warp, reads all of R (64 KB at d = 128) from shared memory for every row: ~5400 cycles per
-// row and SM, half of a decode append (docs/benchmarks.md).
+// CPU reference's bytes), x_i of kColumnRows rows broadcast from shared memory as float4s,
+// kColumnRows independent fma chains per thread. No block stages R in shared memory, so one
+// that rotates a single group of rows finishes sooner than append_kernel's (which stages R and
+// then reads all 64 KB of it per row); see use_column_kernel for where it is used. Its bound
+// is the broadcast of x: every fma takes one x from shared memory, and a float4 broadcast costs
+// 4 wavefronts (~2050 cycles per group of 4 rows at d = 128, H100), as few per fma as
+// append_kernel's reads of R, so it does not rotate many rows faster.
 // OSCAR_APPEND_COLUMN_ROWS (4 or 8) overrides it: a measurement knob.
 #ifdef OSCAR_APPEND_COLUMN_ROWS
 inline constexpr int kColumnRows = OSCAR_APPEND_COLUMN_ROWS;
@@ -361,14 +363,8 @@ inline constexpr int kColumnRows = 4;
 #endif
 static_assert(kColumnRows % 4 == 0, "x of the group's rows is read as float4s");
 
-// Exact appends at head_dim <= 128 (R's column must fit in registers) take this kernel where
-// OSCAR_APPEND_COLUMN_KERNEL is 1; until it has run on a device, append_kernel stays the
-// default.
-#ifndef OSCAR_APPEND_COLUMN_KERNEL
-#define OSCAR_APPEND_COLUMN_KERNEL 0
-#endif
 template <int kHeadDim>
-inline constexpr bool kColumnKernel = OSCAR_APPEND_COLUMN_KERNEL && kHeadDim <= 128;
+inline constexpr bool kColumnKernelFits = kHeadDim <= 128;  // R's column must fit in registers
 
 // blockIdx.y = layer * 2 + (0: K, 1: V); blockIdx.x strides over groups of kColumnRows rows
 // (token-major, head-minor). blockDim.x = kHeadDim.
@@ -667,6 +663,30 @@ inline unsigned column_blocks(int64_t rows, int planes, int resident_per_sm) {
   return static_cast<unsigned>(std::clamp<int64_t>(groups, 1, std::min<int64_t>(cap, 65535)));
 }
 
+// Which exact appends take append_columns_kernel: rotated ones where every block rotates one
+// group of rows (at most SMs / planes groups per plane: up to 33 tokens of 8 KV heads in a
+// one-layer launch on 132 SMs). Each block then does what a B = 1 block does (R's load, the
+// slot check, one group): 3.4-3.6 us of kernel, where append_kernel's rotation of 8 rows per
+// block from shared memory takes ~5 us (H100, docs/benchmarks.md). With more groups per
+// block the broadcast of x from shared memory bounds it (~2050 cycles a group) and
+// append_kernel is as fast or faster (B = 64: 8.6-9.0 against 8.1-8.2 us; unrotated bulk 868
+// against 298 us). OSCAR_APPEND_COLUMN_KERNEL=0 / 1 makes it never / always (a measurement
+// knob).
+// Whether an append rotates any plane (R_K, or R_V where the values are not pre-rotated).
+inline bool append_rotates(const AppendParams& p) {
+  return p.pools.k_rotation || (p.pools.v_rotation && !p.values_prerotated);
+}
+
+inline bool use_column_kernel(int64_t rows, int planes, bool rotated) {
+#ifdef OSCAR_APPEND_COLUMN_KERNEL
+  (void)rows, (void)planes, (void)rotated;
+  return OSCAR_APPEND_COLUMN_KERNEL != 0;
+#else
+  const int64_t groups = (rows + kColumnRows - 1) / kColumnRows;
+  return rotated && groups <= std::max<int64_t>(1, multiprocessors() / planes);
+#endif
+}
+
 template <int D, int G>
 int column_kernel_blocks_per_sm() {
   static const int per_sm = [] {
@@ -733,11 +753,13 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
   const Int2Layout& layout = params.pools.k_int2.layout;
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
     if (tensor_cores) return launch_append_tensor_cores<D, G>(params, rows, stream);
-    if constexpr (kColumnKernel<D>) {
+    if constexpr (kColumnKernelFits<D>) {
       const int planes = params.pools.num_layers * 2;
-      const dim3 grid(column_blocks(rows, planes, column_kernel_blocks_per_sm<D, G>()), static_cast<unsigned>(planes));
-      append_columns_kernel<D, G><<<grid, D, 0, stream>>>(params);
-      return cuda_status(cudaGetLastError(), "append_kv launch");
+      if (use_column_kernel(rows, planes, append_rotates(params))) {
+        const dim3 grid(column_blocks(rows, planes, column_kernel_blocks_per_sm<D, G>()), static_cast<unsigned>(planes));
+        append_columns_kernel<D, G><<<grid, D, 0, stream>>>(params);
+        return cuda_status(cudaGetLastError(), "append_kv launch");
+      }
     }
     constexpr int smem = kAppendSmemBytes<D>;
     static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
