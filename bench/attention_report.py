@@ -31,20 +31,26 @@ def load_bench(path):
 
 
 def load_sdpa(path):
-    sdpa = {}
+    """sdpa_baseline.py's output: the device on its first line ("torch 2.x, NVIDIA H200"), then a
+    line per shape. Returns ({shape: us}, device name or None)."""
+    sdpa, device = {}, None
     pattern = re.compile(r"^sdpa/(\S+) ([0-9.]+) us")
     with open(path) as f:
         for line in f:
             m = pattern.match(line)
             if m:
                 sdpa[m.group(1)] = float(m.group(2))
-    return sdpa
+            elif line.startswith("torch ") and ", " in line:
+                device = line.split(", ", 1)[1].strip()
+    return sdpa, device
 
 
 def main():
     if len(sys.argv) != 4:
         sys.exit(__doc__)
-    bench, sdpa = load_bench(sys.argv[1]), load_sdpa(sys.argv[2])
+    bench = load_bench(sys.argv[1])
+    sdpa, device = load_sdpa(sys.argv[2])
+    print(f"device: {device or 'not named in the SDPA output'}")
     copy = bench["copy"]["GB/s"] if "copy" in bench else 0.0
     print(f"copy bandwidth in the same run: {copy:.0f} GB/s\n")
     print("| shape | INT2 | bytes | GB/s | % copy | BF16 (ours) | SDPA | vs SDPA | vs BF16 |")
@@ -93,7 +99,10 @@ def main():
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("speedup (time ratio)")
-    ax.set_title(f"oscar INT2 decode on the H200 (copy bandwidth {copy:.0f} GB/s, cold L2)")
+    # The device comes from the run (SDPA's line), not from this script: the same plot is made
+    # on every device the benchmarks run on.
+    name = (device or "an unnamed device").removeprefix("NVIDIA ")
+    ax.set_title(f"oscar INT2 decode on the {name} (copy bandwidth {copy:.0f} GB/s, cold L2)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(sys.argv[3], dpi=120)
