@@ -217,6 +217,19 @@ struct Int2TileRaw {
 // 6 or 8 stages measured slower on the H200 at every shape (B = 1 32K 37.0 -> 37.8 / 38.5 us).
 inline constexpr int kInt2Stages = 4;  // tiles per warp in flight or being computed
 
+// A measurement knob that splits the INT2 loop's time between its two halves (build with
+// -DOSCAR_ATTENTION_PROBE=N; the outputs are then wrong, and without the macro nothing
+// changes): 1 = compute only, the tiles' copies are not issued and every warp computes on
+// zeroed stages (zero metadata: scores 0, the max set once, the common path); 2 = copies only,
+// every tile is waited for and refilled but not computed. What a producer warp that takes
+// the copies off the consumers could gain is bounded by the first; what the copy pipeline
+// alone reaches, by the second (docs/benchmarks.md).
+#ifdef OSCAR_ATTENTION_PROBE
+inline constexpr int kAttentionProbe = OSCAR_ATTENTION_PROBE;
+#else
+inline constexpr int kAttentionProbe = 0;
+#endif
+
 // Stage layout: K codes [16][D/4], V codes [16][D/4], K meta [16] words, V meta [16] words.
 template <int D>
 struct Int2Stage {
@@ -281,7 +294,9 @@ template <int D>
 OSCAR_DEVICE void issue_int2_tile(const Int2CopyLane<D>& c, const SegmentPages& seg, int32_t tile, int32_t page,
                                   uint32_t stage_offset) {
   using S = Int2Stage<D>;
-  if (page >= 0) {
+  if (kAttentionProbe == 1) {
+    // measurement knob: no copies
+  } else if (page >= 0) {
     const int32_t slot = seg.slot(tile * kAttentionTileTokens + c.half_tokens);
     const uint8_t* src = c.src + mul_wide(page, c.stride_page) + slot * S::kRowBytes;
     const uint32_t dst = c.code_dst + stage_offset;
@@ -760,6 +775,12 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   chunk_tile_range(item, body, sink_tiles, body_begin, body_end);
   using S = Int2Stage<D>;
   const uint32_t stages = smem_address(smem + L::int2_stages + warp * (kInt2Stages * S::kBytes));
+  if constexpr (kAttentionProbe == 1) {
+    for (uint32_t b = 16 * lane; b < kInt2Stages * S::kBytes; b += 16 * 32) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stages + b), "r"(0u) : "memory");
+    }
+    __syncwarp();
+  }
   if (body_begin < body_end) {
     // (The copy lane is built again for the loop: kept live through the prologue and the BF16
     // tiles, its registers made the loop spill.)
@@ -921,7 +942,7 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
       Int2TileRaw<D> cur;
       for (int32_t t = begin + warp; t < end; t += kWarps) {
         read_and_refill(cur, t);
-        int2_tile<D>(st, qf, qsum, key_bias, cur, tc, lane);
+        if constexpr (kAttentionProbe != 2) int2_tile<D>(st, qf, qsum, key_bias, cur, tc, lane);
       }
       cp_async_wait<0>();  // no copy may land after the stages are reused below
     }
