@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "oscar/attention/attention_plan.hpp"
@@ -126,32 +127,76 @@ TEST_CASE("chunks are sized in bytes: an INT2 chunk holds ~7x the tokens of a BF
   CHECK(ratio < 8.0);
 }
 
-TEST_CASE("a batch of equal requests fills at most one wave of the target blocks") {
+// How full the waves of the target blocks are, the last one included (1: whole waves).
+static double wave_fill(int64_t blocks, int64_t slots) {
+  const double waves = double(blocks) / double(slots);
+  return waves / std::ceil(waves);
+}
+
+TEST_CASE("a batch of equal requests fills its waves of the target blocks") {
   for (const int32_t blocks_per_sm : {1, 2, 3, 4}) {
     AttentionPlanOptions options;
     options.num_sms = 132;
     options.target_blocks_per_sm = blocks_per_sm;
-    for (const int batch : {1, 16, 64}) {
-      const std::vector<SegmentCounts> lengths(batch, SegmentCounts{64, 32768, 256});
-      auto plan = make_attention_plan(headline(), lengths, {}, options);
-      REQUIRE(plan.ok());
-      check_cover(*plan, lengths, {});
-      CAPTURE(blocks_per_sm);
-      CAPTURE(batch);
-      const int64_t blocks = int64_t(plan->items.size()) * headline().num_kv_heads;
-      // One wave, unless every request needs its own block anyway.
-      CHECK(blocks <= std::max<int64_t>(int64_t{options.num_sms} * blocks_per_sm, batch * headline().num_kv_heads));
-      // And the blocks of that wave are mostly used (at least two thirds of it), as far as the
-      // cap of kMaxAttentionChunks chunks per request and the shortest chunk allow.
-      const int64_t request_bytes = attention_tiles(64) * attention_tile_bytes(headline(), false) +
-                                    attention_tiles(32768) * attention_tile_bytes(headline(), true) +
-                                    attention_tiles(256) * attention_tile_bytes(headline(), false);
-      const int64_t chunks_per_request =
-          std::min<int64_t>(kMaxAttentionChunks, std::max<int64_t>(1, request_bytes / options.min_chunk_bytes));
-      const int64_t usable = std::min<int64_t>(int64_t{options.num_sms} * blocks_per_sm,
-                                               int64_t{batch} * headline().num_kv_heads * chunks_per_request);
-      CHECK(3 * blocks >= 2 * usable);
+    const int64_t slots = int64_t{options.num_sms} * blocks_per_sm;
+    for (const int64_t length : {int64_t{8192}, int64_t{32768}}) {
+      for (const int batch : {1, 16, 40, 50, 64, 100, 300}) {
+        const std::vector<SegmentCounts> lengths(batch, SegmentCounts{64, length - 320, 256});
+        auto plan = make_attention_plan(headline(), lengths, {}, options);
+        REQUIRE(plan.ok());
+        check_cover(*plan, lengths, {});
+        CAPTURE(blocks_per_sm);
+        CAPTURE(length);
+        CAPTURE(batch);
+        const int64_t blocks = int64_t(plan->items.size()) * headline().num_kv_heads;
+        const int64_t request_bytes = attention_tiles(64) * attention_tile_bytes(headline(), false) +
+                                      attention_tiles(length - 320) * attention_tile_bytes(headline(), true) +
+                                      attention_tiles(256) * attention_tile_bytes(headline(), false);
+        const int64_t chunks_per_request =
+            std::min<int64_t>(kMaxAttentionChunks, std::max<int64_t>(1, request_bytes / options.min_chunk_bytes));
+        if (int64_t{batch} * headline().num_kv_heads <= slots) {
+          // The requests fit in one wave: one wave, at least half used, as far as the cap of
+          // kMaxAttentionChunks chunks per request and the shortest chunk allow.
+          CHECK(blocks <= slots);
+          const int64_t usable = std::min<int64_t>(slots, int64_t{batch} * headline().num_kv_heads * chunks_per_request);
+          CHECK(2 * blocks >= usable);
+        } else {
+          // More requests than a wave has blocks: chunks so that the last wave is mostly full,
+          // not a few blocks past a whole wave.
+          CHECK(wave_fill(blocks, slots) >= 0.75);
+          CHECK(wave_fill(blocks, slots) >= wave_fill(int64_t{batch} * headline().num_kv_heads, slots));
+        }
+      }
     }
+  }
+}
+
+TEST_CASE("the measured spills past a wave are planned away") {
+  AttentionPlanOptions options;
+  options.num_sms = 132;
+  SUBCASE("d = 64, 9 / 3 heads, B = 64, 8K: 2 chunks per request (0.73 waves), not 3 (1.09)") {
+    options.target_blocks_per_sm = 4;
+    const AttentionShape shape{9, 3, 64, 64, 16};
+    const std::vector<SegmentCounts> lengths(64, SegmentCounts{64, 8192 - 320, 256});
+    auto plan = make_attention_plan(shape, lengths, {}, options);
+    REQUIRE(plan.ok());
+    check_cover(*plan, lengths, {});
+    CHECK(plan->items.size() == 128);
+  }
+  SUBCASE("d = 128, 32 / 8 heads, B = 64, 8K: 3 chunks per request (3.88 waves), not 1 (1.29)") {
+    options.target_blocks_per_sm = 3;
+    const std::vector<SegmentCounts> lengths(64, SegmentCounts{64, 8192 - 320, 256});
+    auto plan = make_attention_plan(headline(), lengths, {}, options);
+    REQUIRE(plan.ok());
+    check_cover(*plan, lengths, {});
+    CHECK(plan->items.size() == 192);
+  }
+  SUBCASE("d = 128, B = 16, 32K: 3 chunks per request (0.97 waves), as before") {
+    options.target_blocks_per_sm = 3;
+    const std::vector<SegmentCounts> lengths(16, SegmentCounts{64, 32768 - 320, 256});
+    auto plan = make_attention_plan(headline(), lengths, {}, options);
+    REQUIRE(plan.ok());
+    CHECK(plan->items.size() == 48);
   }
 }
 

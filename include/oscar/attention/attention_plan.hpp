@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -150,6 +151,52 @@ inline Status validate(const AttentionShape& shape) {
   return Status::Ok();
 }
 
+// The number of chunks each request is cut into. request_bytes[b]: the K and V bytes of request
+// b (one KV head), column_tiles[b]: its column tiles (each runs its own chunks), wave_items:
+// the work items one wave of the target blocks holds (SMs x blocks per SM / KV heads).
+//  1. Nearest: request_bytes / chunk_bytes rounded to the nearest, in [1, kMaxAttentionChunks]
+//     and at most one chunk per min_chunk_bytes. A batch of equal requests then makes about one
+//     wave (rounding 3.06 chunks up to 4 had made 1.29 waves on the H200).
+//  2. Where that spills past one wave, rounded down instead, if that fits in one wave
+//     (2.75 -> 3 chunks had made 1.09 waves at d = 64, B = 64, 8K; 2 fit in 0.73 waves).
+//  3. Where even that needs more than a wave (more requests than a wave has blocks: one chunk
+//     per request made 1.29 waves at d = 128, B = 64, 8K), the counts are multiplied by the m
+//     in 1..4 whose waves fill their last one best (m = 3: 3.88 waves, 233 -> 210 us on the
+//     H100; m = 2, 2.59 waves, measured 209), so the last wave is mostly full.
+inline std::vector<int64_t> wave_aligned_chunk_counts(std::span<const int64_t> request_bytes,
+                                                      std::span<const int64_t> column_tiles, int64_t chunk_bytes,
+                                                      int64_t min_chunk_bytes, double wave_items) {
+  const size_t n = request_bytes.size();
+  auto counts = [&](bool round_nearest, int64_t multiple) {
+    std::vector<int64_t> c(n);
+    for (size_t b = 0; b < n; ++b) {
+      const int64_t base = (request_bytes[b] + (round_nearest ? chunk_bytes / 2 : 0)) / chunk_bytes;
+      // Multiplied counts keep every chunk at least min_chunk_bytes long (the others are by
+      // chunk_bytes >= min_chunk_bytes).
+      const int64_t most = multiple == 1 ? kMaxAttentionChunks
+                                         : std::clamp<int64_t>(request_bytes[b] / std::max<int64_t>(1, min_chunk_bytes),
+                                                               1, kMaxAttentionChunks);
+      c[b] = std::clamp<int64_t>(multiple * std::max<int64_t>(1, base), 1, most);
+    }
+    return c;
+  };
+  auto waves = [&](const std::vector<int64_t>& c) {
+    double items = 0;
+    for (size_t b = 0; b < n; ++b) items += double(c[b]) * double(column_tiles[b]);
+    return items / std::max(1.0, wave_items);
+  };
+  std::vector<int64_t> nearest = counts(true, 1);
+  if (waves(nearest) <= 1.0) return nearest;
+  std::vector<int64_t> best = counts(false, 1);
+  if (waves(best) <= 1.0) return best;
+  auto fill = [](double w) { return w / std::ceil(w); };  // how full the waves are, last one included
+  for (int64_t m = 2; m <= 4; ++m) {
+    std::vector<int64_t> c = counts(false, m);
+    if (fill(waves(c)) > fill(waves(best)) + 0.02) best = std::move(c);  // a clear gain, else fewer chunks
+  }
+  return best;
+}
+
 // Plans attention for a batch whose request b has segments[b] cached tokens (sink, INT2,
 // recent; the INT2 count a multiple of page_size) and query_tokens[b] query tokens (its
 // newest cached tokens, causal). An empty query_tokens means decode: one query per request.
@@ -207,20 +254,30 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   const int64_t target_items = std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
   const int64_t chunk_bytes = std::max(options.min_chunk_bytes, (total_bytes + target_items - 1) / target_items);
 
+  // Chunks per request: request_bytes / chunk_bytes rounded to the nearest (at most
+  // kMaxAttentionChunks, none shorter than min_chunk_bytes), then adjusted so that the blocks
+  // do not spill just past a whole wave of the target: a last wave of a few blocks costs
+  // nearly a whole block's time (H100, 2026-12-05: d = 64, B = 64, 8K at 1.09 waves 75.0 us,
+  // at 0.73 waves 61.5; d = 128, B = 16, 32K at 0.97 waves 164, at 1.29 waves 219;
+  // docs/benchmarks.md).
+  std::vector<int64_t> request_bytes(segments.size());
+  for (size_t b = 0; b < segments.size(); ++b) {
+    request_bytes[b] = attention_tiles(segments[b].sink) * bf16_tile + attention_tiles(segments[b].int2) * int2_tile +
+                       attention_tiles(segments[b].recent) * bf16_tile;
+  }
+  const std::vector<int64_t> request_chunks =
+      wave_aligned_chunk_counts(request_bytes, column_tiles, chunk_bytes, options.min_chunk_bytes,
+                                double(options.num_sms) * double(blocks_per_sm) / double(shape.num_kv_heads));
+
   for (size_t b = 0; b < segments.size(); ++b) {
     const SegmentCounts& s = segments[b];
     const int32_t tiles[3] = {static_cast<int32_t>(attention_tiles(s.sink)),
                               static_cast<int32_t>(attention_tiles(s.int2)),
                               static_cast<int32_t>(attention_tiles(s.recent))};
     const int64_t tile_cost[3] = {bf16_tile, int2_tile, bf16_tile};
-    // Cut the request's tiles into chunks of about chunk_bytes (at most kMaxAttentionChunks),
-    // walking the segments in order. The count is rounded to the nearest, not up: a batch of
-    // equal requests then fills at most one wave of the target blocks (rounding 3.06 chunks up
-    // to 4 made 1.29 waves on the H200 at 3 blocks per SM), at chunks at most 1.5x the target.
-    const int64_t request_bytes = tiles[0] * tile_cost[0] + tiles[1] * tile_cost[1] + tiles[2] * tile_cost[2];
-    const int64_t request_chunks =
-        std::clamp<int64_t>((request_bytes + chunk_bytes / 2) / chunk_bytes, 1, kMaxAttentionChunks);
-    const int64_t request_chunk = (request_bytes + request_chunks - 1) / request_chunks;
+    // Cut the request's tiles into request_chunks[b] chunks of about equal bytes, walking the
+    // segments in order.
+    const int64_t request_chunk = (request_bytes[b] + request_chunks[b] - 1) / request_chunks[b];
     std::vector<int32_t> cuts{0};
     int64_t filled = 0;
     int32_t tile = 0;
