@@ -171,33 +171,26 @@ TEST_CASE("a batch of equal requests fills its waves of the target blocks") {
   }
 }
 
-TEST_CASE("the measured spills past a wave are planned away") {
+// Work items of the plan for `batch` equal decode requests of `length` tokens (sink 64, window
+// 256) on 132 SMs at `blocks_per_sm`.
+static size_t equal_batch_items(const AttentionShape& shape, int batch, int64_t length, int32_t blocks_per_sm) {
   AttentionPlanOptions options;
   options.num_sms = 132;
-  SUBCASE("d = 64, 9 / 3 heads, B = 64, 8K: 2 chunks per request (0.73 waves), not 3 (1.09)") {
-    options.target_blocks_per_sm = 4;
-    const AttentionShape shape{9, 3, 64, 64, 16};
-    const std::vector<SegmentCounts> lengths(64, SegmentCounts{64, 8192 - 320, 256});
-    auto plan = make_attention_plan(shape, lengths, {}, options);
-    REQUIRE(plan.ok());
-    check_cover(*plan, lengths, {});
-    CHECK(plan->items.size() == 128);
-  }
-  SUBCASE("d = 128, 32 / 8 heads, B = 64, 8K: 3 chunks per request (3.88 waves), not 1 (1.29)") {
-    options.target_blocks_per_sm = 3;
-    const std::vector<SegmentCounts> lengths(64, SegmentCounts{64, 8192 - 320, 256});
-    auto plan = make_attention_plan(headline(), lengths, {}, options);
-    REQUIRE(plan.ok());
-    check_cover(*plan, lengths, {});
-    CHECK(plan->items.size() == 192);
-  }
-  SUBCASE("d = 128, B = 16, 32K: 3 chunks per request (0.97 waves), as before") {
-    options.target_blocks_per_sm = 3;
-    const std::vector<SegmentCounts> lengths(16, SegmentCounts{64, 32768 - 320, 256});
-    auto plan = make_attention_plan(headline(), lengths, {}, options);
-    REQUIRE(plan.ok());
-    CHECK(plan->items.size() == 48);
-  }
+  options.target_blocks_per_sm = blocks_per_sm;
+  const std::vector<SegmentCounts> lengths(batch, SegmentCounts{64, length - 320, 256});
+  auto plan = make_attention_plan(shape, lengths, {}, options);
+  REQUIRE(plan.ok());
+  check_cover(*plan, lengths, {});
+  return plan->items.size();
+}
+
+TEST_CASE("the measured spills past a wave are planned away") {
+  // d = 64, 9 / 3 heads, B = 64, 8K: 2 chunks per request (0.73 waves), not 3 (1.09).
+  CHECK(equal_batch_items({9, 3, 64, 64, 16}, 64, 8192, 4) == 128);
+  // d = 128, 32 / 8 heads, B = 64, 8K: 3 chunks per request (3.88 waves), not 1 (1.29).
+  CHECK(equal_batch_items(headline(), 64, 8192, 3) == 192);
+  // d = 128, B = 16, 32K: 3 chunks per request (0.97 waves), as before.
+  CHECK(equal_batch_items(headline(), 16, 32768, 3) == 48);
 }
 
 TEST_CASE("bad shapes and lengths are refused") {
