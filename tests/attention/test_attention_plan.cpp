@@ -212,4 +212,12 @@ TEST_CASE("bad shapes and lengths are refused") {
   const std::vector<int32_t> too_many = {5};
   CHECK(make_attention_plan(headline(), std::vector<SegmentCounts>{{4, 0, 0}}, too_many).status().message().find(
             "5 query tokens") != std::string::npos);
+  AttentionPlanOptions options;
+  options.num_sms = 0;
+  CHECK(make_attention_plan(headline(), std::vector<SegmentCounts>{{4, 0, 0}}, {}, options).status().message().find(
+            "num_sms") != std::string::npos);
+  options = {};
+  options.min_chunk_bytes = 0;  // would divide by zero for a batch of no bytes
+  CHECK(make_attention_plan(headline(), std::vector<SegmentCounts>{{4, 0, 0}}, {}, options).status().message().find(
+            "min_chunk_bytes") != std::string::npos);
 }

@@ -155,8 +155,8 @@ inline Status validate(const AttentionShape& shape) {
 // b (one KV head), column_tiles[b]: its column tiles (each runs its own chunks), wave_items:
 // the work items one wave of the target blocks holds (SMs x blocks per SM / KV heads).
 //  1. Nearest: request_bytes / chunk_bytes rounded to the nearest, in [1, kMaxAttentionChunks]
-//     and at most one chunk per min_chunk_bytes. A batch of equal requests then makes about one
-//     wave (rounding 3.06 chunks up to 4 had made 1.29 waves on the H200).
+//     (chunk_bytes >= min_chunk_bytes). A batch of equal requests then makes about one wave
+//     (rounding 3.06 chunks up to 4 had made 1.29 waves on the H200).
 //  2. Where that spills past one wave, rounded down instead, if that fits in one wave
 //     (2.75 -> 3 chunks had made 1.09 waves at d = 64, B = 64, 8K; 2 fit in 0.73 waves).
 //  3. Where even that needs more than a wave (more requests than a wave has blocks: one chunk
@@ -209,6 +209,9 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
                             std::to_string(segments.size()) + " requests");
   }
   if (options.num_sms <= 0) return invalid_argument("num_sms must be positive");
+  if (options.min_chunk_bytes <= 0) {
+    return invalid_argument("min_chunk_bytes must be positive (it is " + std::to_string(options.min_chunk_bytes) + ")");
+  }
   AttentionPlan plan;
   plan.shape = shape;
   plan.batch_size = static_cast<int32_t>(segments.size());
