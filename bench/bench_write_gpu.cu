@@ -127,11 +127,7 @@ void BM_AppendDecode(benchmark::State& state) {
   oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
   report_copy_share(state);
 #ifdef OSCAR_WRITE_TIMELINE
-  const dim3 grid = write_detail::use_column_kernel(int64_t{batch} * kHeads, 2, true)
-                       ? dim3(write_detail::column_blocks(int64_t{batch} * kHeads, 2,
-                                                          write_detail::column_kernel_blocks_per_sm<kDim, kDim>()),
-                              2)
-                       : write_detail::grid_for(int64_t{batch} * kHeads, 2, write_detail::kAppendWarps);
+  const dim3 grid = write_detail::exact_append_launch<kDim, kDim>(p, int64_t{batch} * kHeads).grid;
   char what[16];
   std::snprintf(what, sizeof(what), "B%d", batch);  // ("B" + std::to_string: a false -Wrestrict of GCC 12)
   print_write_timeline(what, int(grid.x * grid.y));

@@ -663,6 +663,11 @@ inline unsigned column_blocks(int64_t rows, int planes, int resident_per_sm) {
   return static_cast<unsigned>(std::clamp<int64_t>(groups, 1, std::min<int64_t>(cap, 65535)));
 }
 
+// Whether an append rotates any plane (R_K, or R_V where the values are not pre-rotated).
+inline bool append_rotates(const AppendParams& p) {
+  return p.pools.k_rotation || (p.pools.v_rotation && !p.values_prerotated);
+}
+
 // Which exact appends take append_columns_kernel: rotated ones where every block rotates one
 // group of rows (at most SMs / planes groups per plane: up to 33 tokens of 8 KV heads in a
 // one-layer launch on 132 SMs). Each block then does what a B = 1 block does (R's load, the
@@ -672,11 +677,6 @@ inline unsigned column_blocks(int64_t rows, int planes, int resident_per_sm) {
 // append_kernel is as fast or faster (B = 64: 8.6-9.0 against 8.1-8.2 us; unrotated bulk 868
 // against 298 us). OSCAR_APPEND_COLUMN_KERNEL=0 / 1 makes it never / always (a measurement
 // knob).
-// Whether an append rotates any plane (R_K, or R_V where the values are not pre-rotated).
-inline bool append_rotates(const AppendParams& p) {
-  return p.pools.k_rotation || (p.pools.v_rotation && !p.values_prerotated);
-}
-
 inline bool use_column_kernel(int64_t rows, int planes, bool rotated) {
 #ifdef OSCAR_APPEND_COLUMN_KERNEL
   (void)rows, (void)planes, (void)rotated;
@@ -695,6 +695,25 @@ int column_kernel_blocks_per_sm() {
     return blocks > 0 ? blocks : 1;
   }();
   return per_sm;
+}
+
+// The exact path's kernel and grid for an append of `rows` rows: append_columns_kernel where
+// use_column_kernel says so, else append_kernel. Shared by append_kv and the benchmark's
+// timeline readout, so the two cannot disagree on which kernel ran.
+struct ExactAppendLaunch {
+  bool columns;  // append_columns_kernel (blockDim D), else append_kernel (kAppendThreads)
+  dim3 grid;
+};
+
+template <int D, int G>
+ExactAppendLaunch exact_append_launch(const AppendParams& p, int64_t rows) {
+  const int planes = p.pools.num_layers * 2;
+  if constexpr (kColumnKernelFits<D>) {
+    if (use_column_kernel(rows, planes, append_rotates(p))) {
+      return {true, dim3(column_blocks(rows, planes, column_kernel_blocks_per_sm<D, G>()), static_cast<unsigned>(planes))};
+    }
+  }
+  return {false, grid_for(rows, planes, kAppendWarps)};
 }
 
 template <int D, int G>
@@ -753,11 +772,10 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
   const Int2Layout& layout = params.pools.k_int2.layout;
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
     if (tensor_cores) return launch_append_tensor_cores<D, G>(params, rows, stream);
+    const ExactAppendLaunch launch = exact_append_launch<D, G>(params, rows);
     if constexpr (kColumnKernelFits<D>) {
-      const int planes = params.pools.num_layers * 2;
-      if (use_column_kernel(rows, planes, append_rotates(params))) {
-        const dim3 grid(column_blocks(rows, planes, column_kernel_blocks_per_sm<D, G>()), static_cast<unsigned>(planes));
-        append_columns_kernel<D, G><<<grid, D, 0, stream>>>(params);
+      if (launch.columns) {
+        append_columns_kernel<D, G><<<launch.grid, D, 0, stream>>>(params);
         return cuda_status(cudaGetLastError(), "append_kv launch");
       }
     }
@@ -766,8 +784,7 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
         cudaFuncSetAttribute(append_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
     const bool staged = params.pools.k_rotation || params.pools.v_rotation;
-    append_kernel<D, G><<<grid_for(rows, params.pools.num_layers * 2, kAppendWarps), kAppendThreads,
-                          staged ? smem : 0, stream>>>(params);
+    append_kernel<D, G><<<launch.grid, kAppendThreads, staged ? smem : 0, stream>>>(params);
     return cuda_status(cudaGetLastError(), "append_kv launch");
   });
 }

@@ -1,5 +1,5 @@
-// A measurement knob for the phases of a decode append (append_columns_kernel, and
-// append_kernel at head_dim 256). Built
+// A measurement knob for the phases of a decode append (append_columns_kernel or append_kernel,
+// whichever exact_append_launch picks). Built
 // with OSCAR_WRITE_TIMELINE defined, thread 0 of every block stamps clock64 at each
 // WriteTimelineMark, and %globaltimer at the block's start and end, into g_write_timeline;
 // bench_write_gpu prints, after each decode-append benchmark's last timed run, the span from
