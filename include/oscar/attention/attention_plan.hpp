@@ -220,6 +220,7 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   const int64_t int2_tile = attention_tile_bytes(shape, true);
   const int64_t bf16_tile = attention_tile_bytes(shape, false);
   std::vector<int64_t> column_tiles(segments.size());
+  std::vector<int64_t> request_bytes(segments.size());  // K and V of one KV head (each column tile reads them)
   int64_t total_bytes = 0;  // per KV head, over every column tile
   int64_t max_rows = 0;
   for (size_t b = 0; !plan.decode && b < segments.size(); ++b) {
@@ -247,9 +248,9 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
     }
     plan.num_query_tokens += queries;
     column_tiles[b] = (queries * shape.group_size() + plan.tile_columns - 1) / plan.tile_columns;
-    const int64_t bytes = attention_tiles(s.sink) * bf16_tile + attention_tiles(s.int2) * int2_tile +
-                          attention_tiles(s.recent) * bf16_tile;
-    total_bytes += bytes * column_tiles[b];
+    request_bytes[b] = attention_tiles(s.sink) * bf16_tile + attention_tiles(s.int2) * int2_tile +
+                       attention_tiles(s.recent) * bf16_tile;
+    total_bytes += request_bytes[b] * column_tiles[b];
   }
 
   const int32_t target = plan.row_tiled() ? options.target_extend_blocks_per_sm : options.target_blocks_per_sm;
@@ -257,17 +258,10 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   const int64_t target_items = std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
   const int64_t chunk_bytes = std::max(options.min_chunk_bytes, (total_bytes + target_items - 1) / target_items);
 
-  // Chunks per request: request_bytes / chunk_bytes rounded to the nearest (at most
-  // kMaxAttentionChunks, none shorter than min_chunk_bytes), then adjusted so that the blocks
-  // do not spill just past a whole wave of the target: a last wave of a few blocks costs
-  // nearly a whole block's time (H100, 2026-12-05: d = 64, B = 64, 8K at 1.09 waves 75.0 us,
-  // at 0.73 waves 61.5; d = 128, B = 16, 32K at 0.97 waves 164, at 1.29 waves 219;
-  // docs/benchmarks.md).
-  std::vector<int64_t> request_bytes(segments.size());
-  for (size_t b = 0; b < segments.size(); ++b) {
-    request_bytes[b] = attention_tiles(segments[b].sink) * bf16_tile + attention_tiles(segments[b].int2) * int2_tile +
-                       attention_tiles(segments[b].recent) * bf16_tile;
-  }
+  // Chunks per request, about chunk_bytes each, adjusted so that the blocks do not spill just
+  // past a whole wave of the target: a last wave of a few blocks costs nearly a whole block's
+  // time (H100, 2026-12-05: d = 128, B = 16, 32K at 0.97 waves 164 us, at 1.29 waves 219;
+  // wave_aligned_chunk_counts, docs/benchmarks.md).
   const std::vector<int64_t> request_chunks =
       wave_aligned_chunk_counts(request_bytes, column_tiles, chunk_bytes, options.min_chunk_bytes,
                                 double(options.num_sms) * double(blocks_per_sm) / double(shape.num_kv_heads));
