@@ -11,9 +11,11 @@
 #include <random>
 #include <vector>
 
+#include "common/quantizer_rows.hpp"
 #include "common/random.hpp"
 #include "oscar/quant/dequant_dot.hpp"
 #include "oscar/quant/row.hpp"
+#include "oscar/quant/row_bf16x2.hpp"
 #include "oscar/rotate/dense.hpp"
 #include "oscar/rotate/hadamard.hpp"
 
@@ -53,6 +55,42 @@ __global__ void quantize_kernel(const float* rows, int num_rows, int d, int grou
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= num_rows) return;
   quantize_row(rows + size_t(r) * d, d, group, clip_k, packed + size_t(r) * d / 4, meta + size_t(r) * (d / group));
+}
+
+// A thread per row, as demote_rows_kernel runs it: the row's pairs in registers.
+template <int D, int G>
+__global__ void quantize_bf16x2_kernel(const uint32_t* rows, int num_rows, int clip_k, uint32_t* words, QuantMeta* meta) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= num_rows) return;
+  uint32_t x[D / 2];
+  for (int i = 0; i < D / 2; ++i) x[i] = rows[size_t(r) * (D / 2) + i];
+  uint32_t w[D / 16];
+  QuantMeta m[D / G];
+  quantize_row_bf16x2<D, G>(x, clip_k, w, m);
+  for (int i = 0; i < D / 16; ++i) words[size_t(r) * (D / 16) + i] = w[i];
+  for (int g = 0; g < D / G; ++g) meta[size_t(r) * (D / G) + g] = m[g];
+}
+
+// Two lanes per row, as demote_rows_kernel and the tensor-core append run it: lane l of a
+// warp holds half l / 16 of the warp's row l % 16.
+template <int D, int G>
+__global__ void quantize_half_bf16x2_kernel(const uint32_t* rows, int num_rows, int clip_k, uint32_t* words,
+                                            QuantMeta* meta) {
+  const int lane = threadIdx.x % 32, h = lane / 16;
+  const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * 16 + lane % 16;
+  const bool active = r < num_rows;
+  const unsigned mask = __ballot_sync(0xffffffffu, active);
+  if (!active) return;
+  uint32_t x[D / 4];
+  for (int i = 0; i < D / 4; ++i) x[i] = rows[size_t(r) * (D / 2) + h * (D / 4) + i];
+  constexpr int kGroups = kHalfRowGroups<D, G>;
+  uint32_t w[D / 32];
+  QuantMeta m[kGroups];
+  quantize_half_row_bf16x2<D, G>(x, clip_k, h, mask, w, m);
+  for (int i = 0; i < D / 32; ++i) words[size_t(r) * (D / 16) + h * (D / 32) + i] = w[i];
+  if (G != D || h == 0) {
+    for (int g = 0; g < kGroups; ++g) meta[size_t(r) * (D / G) + h * (G == D ? 0 : kGroups) + g] = m[g];
+  }
 }
 
 __global__ void rotate_kernel(const float* rows, int num_rows, int d, const float* rotation, float* dense_out,
@@ -166,6 +204,63 @@ TEST_CASE("quantize_row on the GPU is bit-exact with the CPU") {
       }
     }
   }
+}
+
+// The GPU's bf16x2 min/max and comparisons (HMNMX2, HSET2) and 16x2 integer min/max on
+// subnormals, signed zeros, ties and non-finite rows: every clip rank, edge rows and random ones
+// (a row count that is not a multiple of 16, so a warp of half rows runs with a partial mask).
+template <int D, int G>
+void check_bf16x2_quantizer_on_gpu() {
+  std::vector<std::vector<float>> rows = oscar::testing::quantizer_edge_rows(D, 7 * D + G);
+  oscar::testing::RowGenerator gen(3 * D + G, D, 6, 20.0f);
+  for (int i = 0; i < 256; ++i) rows.push_back(gen.row());
+  const int n = int(rows.size());
+  std::vector<uint32_t> pairs;
+  for (const auto& r : rows) {
+    const auto p = oscar::testing::as_bf16_pairs(r);
+    pairs.insert(pairs.end(), p.begin(), p.end());
+  }
+  DeviceBuffer<uint32_t> d_rows(pairs.size()), d_words(size_t(n) * D / 16);
+  DeviceBuffer<QuantMeta> d_meta(size_t(n) * (D / G));
+  d_rows.upload(pairs);
+  int mismatched_ranks = 0;
+  for (int clip_k = -1; clip_k < D; ++clip_k) {
+    std::vector<uint8_t> want(size_t(n) * D / 4);
+    std::vector<QuantMeta> want_meta(size_t(n) * (D / G));
+    for (int r = 0; r < n; ++r) {
+      quantize_row(rows[r].data(), D, G, clip_k, want.data() + size_t(r) * D / 4, want_meta.data() + size_t(r) * (D / G));
+    }
+    for (bool halves : {false, true}) {
+      CUDA_REQUIRE(cudaMemset(d_words.ptr, 0xa5, d_words.n * sizeof(uint32_t)));  // poisoned before every run
+      CUDA_REQUIRE(cudaMemset(d_meta.ptr, 0xa5, d_meta.n * sizeof(QuantMeta)));
+      if (halves) {
+        // 4 warps of 16 rows per block; the last warp's missing rows leave the shuffle mask.
+        quantize_half_bf16x2_kernel<D, G><<<(n + 63) / 64, 128>>>(d_rows.ptr, n, clip_k, d_words.ptr, d_meta.ptr);
+      } else {
+        quantize_bf16x2_kernel<D, G><<<(n + 127) / 128, 128>>>(d_rows.ptr, n, clip_k, d_words.ptr, d_meta.ptr);
+      }
+      CUDA_REQUIRE(cudaGetLastError());
+      CUDA_REQUIRE(cudaDeviceSynchronize());
+      const auto words = d_words.download();
+      const auto meta = d_meta.download();
+      const bool same = std::memcmp(words.data(), want.data(), want.size()) == 0 &&
+                        std::memcmp(meta.data(), want_meta.data(), want_meta.size() * sizeof(QuantMeta)) == 0;
+      if (!same) {
+        INFO("D " << D << " G " << G << " clip_k " << clip_k << (halves ? " (half rows)" : " (whole rows)"));
+        CHECK(same);
+        ++mismatched_ranks;
+      }
+    }
+  }
+  CHECK(mismatched_ranks == 0);
+}
+
+TEST_CASE("quantize_row_bf16x2 and its half-row form on the GPU are bit-exact with quantize_row on the CPU") {
+  check_bf16x2_quantizer_on_gpu<64, 32>();
+  check_bf16x2_quantizer_on_gpu<64, 64>();
+  check_bf16x2_quantizer_on_gpu<128, 32>();
+  check_bf16x2_quantizer_on_gpu<128, 64>();
+  check_bf16x2_quantizer_on_gpu<128, 128>();
 }
 
 TEST_CASE("dense rotation and Hadamard transform on the GPU equal the CPU") {

@@ -11,6 +11,14 @@
 #define OSCAR_HOST_DEVICE inline
 #endif
 
+// Full unrolling of a loop with a constant trip count in device code (register arrays must
+// stay in registers); host compilers decide for themselves.
+#if defined(__CUDA_ARCH__)
+#define OSCAR_UNROLL _Pragma("unroll")
+#else
+#define OSCAR_UNROLL
+#endif
+
 // True while compiling device code (nvcc's device pass); used to pick intrinsics.
 #if defined(__CUDA_ARCH__)
 #define OSCAR_DEVICE_CODE 1

@@ -1,0 +1,484 @@
+// One cache row quantized by one thread, two bf16 elements per 32-bit register: the same
+// bytes as quantize_row() (clip, fp16 metadata, codes, packing), in about a fifth of the
+// warp instructions per row of a warp-per-row quantizer.
+//
+// Why a thread per row: a warp that shares one row of 128 elements repeats every per-row step
+// (extremes, the clip threshold's selection, metadata, packing) on all 32 lanes for 4 elements
+// each, ~330 warp instructions per row in demote_kernel. Here every step works on two
+// elements per instruction (Hopper's 16x2 integer and bf16x2 instructions) and nothing is
+// repeated: the row's registers are the only copy.
+//
+//  - The clip threshold (the L-th largest magnitude, L = head_dim - clip_k) comes from a
+//    bitonic top-N selection over 16-bit magnitudes (VIMNMX.U16x2: the two halves of a
+//    register are two independent lists), not from serial pops. N = 8 or 16 by L; above 16
+//    (clip ratios below ~0.875 at d = 128) a bitwise search with 16x2 counts.
+//  - Codes are three comparisons per pair against per-group thresholds in bf16 (HSET2), not
+//    an fma and three comparisons per element: the code of x is monotone in x, so
+//    quantize_code(clamp(x), q) >= c exactly when x >= b_c for the smallest bf16 value b_c
+//    that reaches c, found once per group by a 16-step bitwise search that evaluates
+//    quantize_code's own arithmetic. No element is clamped: a threshold inside the clipped
+//    range (-tau, tau] compares the same on the raw and the clamped value, and one outside it
+//    becomes -Inf (every element reaches c) or +Inf (none does).
+//  - Bytes are packed in registers in the format's order with byte permutes.
+//
+// Bit-exact with quantize_row for every finite or non-finite bf16 row, clip rank and group
+// size (tests/quant/test_row_bf16x2.cpp checks it on the CPU, test_functors_gpu on the GPU).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "oscar/core/config.hpp"
+#include "oscar/core/numeric.hpp"
+#include "oscar/quant/clip.hpp"
+#include "oscar/quant/format.hpp"
+#include "oscar/quant/quantize.hpp"
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#endif
+
+namespace oscar {
+namespace bf16x2 {
+
+// Lane-wise unsigned 16-bit max and min (one VIMNMX.U16x2 each on sm_90).
+OSCAR_HOST_DEVICE uint32_t max_u16(uint32_t a, uint32_t b) {
+#if OSCAR_DEVICE_CODE
+  return __vmaxu2(a, b);
+#else
+  const uint32_t lo = (a & 0xffffu) > (b & 0xffffu) ? a & 0xffffu : b & 0xffffu;
+  const uint32_t hi = (a >> 16) > (b >> 16) ? a >> 16 : b >> 16;
+  return lo | hi << 16;
+#endif
+}
+OSCAR_HOST_DEVICE uint32_t min_u16(uint32_t a, uint32_t b) {
+#if OSCAR_DEVICE_CODE
+  return __vminu2(a, b);
+#else
+  const uint32_t lo = (a & 0xffffu) < (b & 0xffffu) ? a & 0xffffu : b & 0xffffu;
+  const uint32_t hi = (a >> 16) < (b >> 16) ? a >> 16 : b >> 16;
+  return lo | hi << 16;
+#endif
+}
+
+// The bf16 value in the low / high half, widened exactly.
+OSCAR_HOST_DEVICE float low(uint32_t w) { return float_from_bits(w << 16); }
+OSCAR_HOST_DEVICE float high(uint32_t w) { return float_from_bits(w & 0xffff0000u); }
+
+// __byte_perm: byte i of the result is byte (selector nibble i) of the 8 bytes {b:a}.
+OSCAR_HOST_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+#if OSCAR_DEVICE_CODE
+  return __byte_perm(a, b, selector);
+#else
+  const uint64_t bytes = uint64_t{b} << 32 | a;
+  uint32_t result = 0;
+  for (int i = 0; i < 4; ++i) result |= uint32_t((bytes >> (8 * ((selector >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return result;
+#endif
+}
+
+OSCAR_HOST_DEVICE uint32_t swap_halves(uint32_t w) { return w >> 16 | w << 16; }
+
+#if OSCAR_DEVICE_CODE
+OSCAR_DEVICE __nv_bfloat162 as_bf162(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
+OSCAR_DEVICE uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
+#endif
+
+// Lane-wise min / max of finite bf16 values (HMNMX2.BF16). Which zero a tie of -0 and +0
+// returns does not matter to the quantizer (make_group_quantizer maps both to +0).
+OSCAR_HOST_DEVICE uint32_t min_bf16(uint32_t a, uint32_t b) {
+#if OSCAR_DEVICE_CODE
+  return as_u32(__hmin2(as_bf162(a), as_bf162(b)));
+#else
+  const uint32_t lo = low(b) < low(a) ? b & 0xffffu : a & 0xffffu;
+  const uint32_t hi = high(b) < high(a) ? b & 0xffff0000u : a & 0xffff0000u;
+  return lo | hi;
+#endif
+}
+OSCAR_HOST_DEVICE uint32_t max_bf16(uint32_t a, uint32_t b) {
+#if OSCAR_DEVICE_CODE
+  return as_u32(__hmax2(as_bf162(a), as_bf162(b)));
+#else
+  const uint32_t lo = low(b) > low(a) ? b & 0xffffu : a & 0xffffu;
+  const uint32_t hi = high(b) > high(a) ? b & 0xffff0000u : a & 0xffff0000u;
+  return lo | hi;
+#endif
+}
+
+// 0xffff in each half where a >= b as bf16 values (HSET2.BF16), else 0.
+OSCAR_HOST_DEVICE uint32_t ge_mask(uint32_t a, uint32_t b) {
+#if OSCAR_DEVICE_CODE
+  return __hge2_mask(as_bf162(a), as_bf162(b));
+#else
+  return (low(a) >= low(b) ? 0xffffu : 0u) | (high(a) >= high(b) ? 0xffff0000u : 0u);
+#endif
+}
+
+// Compare-exchange of two registers' halves: a gets the larger, b the smaller.
+OSCAR_HOST_DEVICE void order_descending(uint32_t& a, uint32_t& b) {
+  const uint32_t hi = max_u16(a, b);
+  b = min_u16(a, b);
+  a = hi;
+}
+
+// Bitonic sort of N registers, descending in each half (two independent lists).
+template <int N>
+OSCAR_HOST_DEVICE void sort_descending(uint32_t (&v)[N]) {
+OSCAR_UNROLL
+  for (int k = 2; k <= N; k <<= 1) {
+OSCAR_UNROLL
+    for (int j = k >> 1; j > 0; j >>= 1) {
+OSCAR_UNROLL
+      for (int i = 0; i < N; ++i) {
+        const int l = i ^ j;
+        if (l > i) {
+          if ((i & k) == 0) {
+            order_descending(v[i], v[l]);
+          } else {
+            order_descending(v[l], v[i]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// A bitonic sequence of N registers (per half) sorted descending by half-cleaners.
+template <int N>
+OSCAR_HOST_DEVICE void merge_descending(uint32_t (&v)[N]) {
+OSCAR_UNROLL
+  for (int j = N >> 1; j > 0; j >>= 1) {
+OSCAR_UNROLL
+    for (int i = 0; i < N; ++i) {
+      const int l = i ^ j;
+      if (l > i) order_descending(v[i], v[l]);
+    }
+  }
+}
+
+inline constexpr uint32_t kMagnitudes = 0x7fff7fffu;
+
+// The N largest magnitudes of the row, sorted descending, in both halves of top[] (the
+// halves' two lists, of the even and the odd elements, merged at the end).
+template <int N, int kPairs>
+OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_t (&top)[N]) {
+  static_assert(kPairs % N == 0, "the row splits into blocks of N pairs");
+OSCAR_UNROLL
+  for (int i = 0; i < N; ++i) top[i] = row[i] & kMagnitudes;
+  sort_descending(top);
+OSCAR_UNROLL
+  for (int start = N; start < kPairs; start += N) {
+    uint32_t block[N];
+OSCAR_UNROLL
+    for (int i = 0; i < N; ++i) block[i] = row[start + i] & kMagnitudes;
+    sort_descending(block);
+    // The N largest of two descending lists: max(top_i, block_{N-1-i}) is bitonic.
+OSCAR_UNROLL
+    for (int i = 0; i < N; ++i) top[i] = max_u16(top[i], block[N - 1 - i]);
+    merge_descending(top);
+  }
+  // The same step between the halves: the low list against the high one reversed.
+  uint32_t both[N];
+OSCAR_UNROLL
+  for (int i = 0; i < N; ++i) both[i] = max_u16(top[i], swap_halves(top[N - 1 - i]));
+  merge_descending(both);
+OSCAR_UNROLL
+  for (int i = 0; i < N; ++i) top[i] = both[i];
+}
+
+// The rank-th largest magnitude (rank 1 = the largest) for rank > 16: a bitwise search over
+// the 15 magnitude bits, counting both halves at once. (m <= T) is bit 15 of
+// (T | 0x8000) - m in each half, which cannot borrow across halves (m, T <= 0x7fff).
+template <int kPairs>
+OSCAR_HOST_DEVICE uint32_t magnitude_by_search(const uint32_t (&row)[kPairs], int rank) {
+  const int k = 2 * kPairs - rank;  // the k-th smallest, zero-based
+  uint32_t answer = 0;
+  for (int bit = 14; bit >= 0; --bit) {
+    const uint32_t trial = answer | ((1u << bit) - 1u);
+    const uint32_t trial2 = (trial | trial << 16) | 0x80008000u;
+    uint32_t count2 = 0;
+OSCAR_UNROLL
+    for (int i = 0; i < kPairs; ++i) count2 += ((trial2 - (row[i] & kMagnitudes)) >> 15) & 0x00010001u;
+    const int at_most = int(count2 & 0xffffu) + int(count2 >> 16);
+    if (at_most <= k) answer |= 1u << bit;
+  }
+  return answer;
+}
+
+// bf16 bit patterns <-> 16-bit keys that order like the values: -NaN ... -Inf ... -0 < +0 ...
+// +Inf ... +NaN.
+OSCAR_HOST_DEVICE uint32_t ordered_key(uint32_t bits) { return bits & 0x8000u ? ~bits & 0xffffu : bits | 0x8000u; }
+OSCAR_HOST_DEVICE uint32_t key_bits(uint32_t key) { return key & 0x8000u ? key & 0x7fffu : ~key & 0xffffu; }
+
+inline constexpr uint32_t kPlusInfKey = 0xff80u;  // ordered_key(0x7f80)
+inline constexpr uint32_t kMinusInfBits = 0xff80u, kPlusInfBits = 0x7f80u;
+
+// The smallest bf16 value that quantizes to level >= c under q (c = 1, 2, 3), as bf16 bits,
+// for a group whose clamped values lie in [lo, hi] (ordered keys): -Inf where even lo reaches
+// c, +Inf where not even hi does. quantize_code(x, q) >= c exactly when its t >= c, and t is
+// monotone in x, so "t < c" holds on a prefix of the keys up to +Inf: the search builds the
+// prefix's last key bit by bit with quantize_code's own arithmetic.
+OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi) {
+  uint32_t below = 0;  // the largest key known below the threshold (key 0, -NaN, is)
+OSCAR_UNROLL
+  for (int bit = 15; bit >= 0; --bit) {
+    const uint32_t trial = below | (1u << bit);
+    const float v = float_from_bits(key_bits(trial) << 16);
+    if (trial < kPlusInfKey && !(fmaf(v - q.offset, q.inv_scale, 0.5f) >= c)) below = trial;
+  }
+  const uint32_t threshold = below + 1;
+  if (threshold <= lo) return kMinusInfBits;
+  if (threshold > hi) return kPlusInfBits;
+  return key_bits(threshold);
+}
+
+}  // namespace bf16x2
+
+// Largest clip rank distance (head_dim - clip_k) served by the 8- and 16-wide selections.
+inline constexpr int kRowBf16x2SortedRanks = 16;
+
+// Quantizes one row of kHeadDim bf16 values held as pairs (element 2i in the low half of
+// row[i], 2i + 1 in the high half) with clip rank clip_k (clip_rank(); < 0: no clipping).
+// Writes the packed codes as kHeadDim / 16 little-endian words (bytes in the format's order)
+// and the fp16 metadata of each group: the bytes quantize_row() writes for the same row.
+template <int kHeadDim, int kGroup>
+OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], int clip_k,
+                                           uint32_t (&codes)[kHeadDim / 16], QuantMeta (&meta)[kHeadDim / kGroup]) {
+  using namespace bf16x2;
+  constexpr int kPairs = kHeadDim / 2;
+  constexpr int kGroups = kHeadDim / kGroup;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "a row of 256 does not fit one thread's registers");
+  static_assert(kGroup >= 32 && kGroup <= kHeadDim && kHeadDim % kGroup == 0, "supported groups");
+
+  // The row's largest magnitude (finiteness: bf16 Inf/NaN magnitudes are >= 0x7f80) and the
+  // clip threshold tau, as magnitude bits.
+  uint32_t largest = 0, tau = 0x7f80u;
+  const int rank = kHeadDim - clip_k;  // tau is the rank-th largest magnitude
+  if (clip_k >= 0 && rank <= 8) {
+    uint32_t top[8];
+    largest_magnitudes(row, top);
+    largest = top[0] & 0xffffu;
+OSCAR_UNROLL
+    for (int i = 0; i < 8; ++i) tau = i < rank ? top[i] & 0xffffu : tau;  // top[] descends: the least of the first `rank`
+  } else if (clip_k >= 0 && rank <= kRowBf16x2SortedRanks) {
+    uint32_t top[16];
+    largest_magnitudes(row, top);
+    largest = top[0] & 0xffffu;
+OSCAR_UNROLL
+    for (int i = 0; i < 16; ++i) tau = i < rank ? top[i] & 0xffffu : tau;  // top[] descends: the least of the first `rank`
+  } else {
+    uint32_t m = 0;
+OSCAR_UNROLL
+    for (int i = 0; i < kPairs; ++i) m = max_u16(m, row[i] & kMagnitudes);
+    largest = max_u16(m, m >> 16) & 0xffffu;
+    if (clip_k >= 0 && largest < 0x7f80u) tau = magnitude_by_search(row, rank);
+  }
+  const bool finite = largest < 0x7f80u;
+  if (!finite) {
+    // NaN metadata and zero codes in every group, as quantize_row stores a non-finite row.
+    const GroupQuantizer q = make_group_quantizer(0.0f, 0.0f, false);
+OSCAR_UNROLL
+    for (int g = 0; g < kGroups; ++g) meta[g] = q.meta;
+OSCAR_UNROLL
+    for (int i = 0; i < kHeadDim / 16; ++i) codes[i] = 0;
+    return;
+  }
+  const float tau_value = float_from_bits(tau << 16);  // +Inf when not clipping
+
+OSCAR_UNROLL
+  for (int g = 0; g < kGroups; ++g) {
+    constexpr int kGroupPairs = kGroup / 2;
+    uint32_t mn2 = row[g * kGroupPairs], mx2 = mn2;
+OSCAR_UNROLL
+    for (int i = 1; i < kGroupPairs; ++i) {
+      mn2 = min_bf16(mn2, row[g * kGroupPairs + i]);
+      mx2 = max_bf16(mx2, row[g * kGroupPairs + i]);
+    }
+    // The clipped group's extremes are the clamped extremes (clipping is a monotone clamp).
+    const float mn = clamp_magnitude(low(mn2) < high(mn2) ? low(mn2) : high(mn2), tau_value);
+    const float mx = clamp_magnitude(low(mx2) > high(mx2) ? low(mx2) : high(mx2), tau_value);
+    const GroupQuantizer q = make_group_quantizer(mn, mx, true);
+    meta[g] = q.meta;
+    // mn and mx are bf16 values (elements of the row or tau), so their keys are exact.
+    const uint32_t lo = ordered_key(float_bits(mn) >> 16), hi = ordered_key(float_bits(mx) >> 16);
+    uint32_t level[3];
+OSCAR_UNROLL
+    for (int c = 0; c < 3; ++c) {
+      const uint32_t b = level_threshold(q, float(c + 1), lo, hi);
+      level[c] = b | b << 16;
+    }
+    // Word k of quarter-byte run holds elements 4k..4k+3 of each quarter; code bit 0 is
+    // m1 ^ m2 ^ m3 and bit 1 is m2 (the masks of x >= b_1, b_2, b_3 nest).
+    constexpr int kQuarter = kGroup / 4;
+OSCAR_UNROLL
+    for (int k = 0; k < kGroup / 16; ++k) {
+      uint32_t word = 0;
+OSCAR_UNROLL
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const int pair = (g * kGroup + quarter * kQuarter + 4 * k) / 2;
+        const uint32_t a = row[pair], b = row[pair + 1];
+        const uint32_t a1 = ge_mask(a, level[0]), a2 = ge_mask(a, level[1]), a3 = ge_mask(a, level[2]);
+        const uint32_t b1 = ge_mask(b, level[0]), b2 = ge_mask(b, level[1]), b3 = ge_mask(b, level[2]);
+        // Bytes 0..3 = elements 4k..4k+3: the low and high halves of a, then of b.
+        const uint32_t bit0 = byte_perm(a1 ^ a2 ^ a3, b1 ^ b2 ^ b3, 0x6420u);
+        const uint32_t bit1 = byte_perm(a2, b2, 0x6420u);
+        const uint32_t two_bits = (bit0 & 0x55555555u) | (bit1 & 0xaaaaaaaau);
+        word |= two_bits & (0x03030303u << (2 * quarter));
+      }
+      codes[g * (kGroup / 16) + k] = word;
+    }
+  }
+}
+
+#if defined(__CUDACC__)
+// Half a row per lane: lanes l and l ^ 16 of a warp hold elements [0, D/2) and [D/2, D) of
+// one row (h = 0 and 1), as bf16 pairs, and exchange what the halves must agree on by
+// shuffles: their top lists, the group extremes, the level thresholds and, for a group as
+// wide as the row, the partial code words. Each lane then stores bytes [h·D/8, (h+1)·D/8) of
+// the row's codes and the metadata of its groups (of the row's one group: h = 0). Half the
+// registers and half the dependent chain of quantize_row_bf16x2 per lane, so a warp of 16
+// rows keeps every lane busy. `mask` holds every lane taking part (pairs whole); the bytes
+// are quantize_row's (test_functors_gpu).
+template <int kHeadDim, int kGroup>
+inline constexpr int kHalfRowGroups = kGroup == kHeadDim ? 1 : kHeadDim / 2 / kGroup;
+
+template <int kHeadDim, int kGroup>
+__device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[kHeadDim / 4], int clip_k, int h,
+                                                         unsigned mask, uint32_t (&words)[kHeadDim / 32],
+                                                         QuantMeta (&meta)[kHalfRowGroups<kHeadDim, kGroup>]) {
+  using namespace bf16x2;
+  constexpr int kPairs = kHeadDim / 4;
+  constexpr bool kSplitGroup = kGroup == kHeadDim;  // the one group spans both halves
+  constexpr int kGroups = kHalfRowGroups<kHeadDim, kGroup>;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "a half row of 256 does not fit one thread's registers");
+  static_assert(kGroup >= 32 && kGroup <= kHeadDim && kHeadDim % kGroup == 0, "supported groups");
+  const auto partner = [mask](uint32_t v) { return __shfl_xor_sync(mask, v, 16); };
+
+  uint32_t largest = 0, tau = 0x7f80u;
+  const int rank = kHeadDim - clip_k;
+  const auto select = [&](auto& top) {
+    constexpr int N = std::extent_v<std::remove_reference_t<decltype(top)>>;
+    largest_magnitudes(half, top);
+    uint32_t other[N];
+    OSCAR_UNROLL
+    for (int i = 0; i < N; ++i) other[i] = partner(top[i]);
+    OSCAR_UNROLL
+    for (int i = 0; i < N; ++i) top[i] = max_u16(top[i], other[N - 1 - i]);
+    merge_descending(top);
+    largest = top[0] & 0xffffu;
+    OSCAR_UNROLL
+    for (int i = 0; i < N; ++i) tau = i < rank ? top[i] & 0xffffu : tau;  // top[] descends
+  };
+  if (clip_k >= 0 && rank <= 8) {
+    uint32_t top[8];
+    select(top);
+  } else if (clip_k >= 0 && rank <= kRowBf16x2SortedRanks) {
+    uint32_t top[16];
+    select(top);
+  } else {
+    uint32_t m = 0;
+    OSCAR_UNROLL
+    for (int i = 0; i < kPairs; ++i) m = max_u16(m, half[i] & kMagnitudes);
+    m = max_u16(m, partner(m));
+    largest = max_u16(m, m >> 16) & 0xffffu;
+    if (clip_k >= 0 && largest < 0x7f80u) {
+      const int k = kHeadDim - rank;  // magnitude_by_search over both halves
+      uint32_t answer = 0;
+      for (int bit = 14; bit >= 0; --bit) {
+        const uint32_t trial = answer | ((1u << bit) - 1u);
+        const uint32_t trial2 = (trial | trial << 16) | 0x80008000u;
+        uint32_t count2 = 0;
+        OSCAR_UNROLL
+        for (int i = 0; i < kPairs; ++i) count2 += ((trial2 - (half[i] & kMagnitudes)) >> 15) & 0x00010001u;
+        count2 += partner(count2);
+        if (int(count2 & 0xffffu) + int(count2 >> 16) <= k) answer |= 1u << bit;
+      }
+      tau = answer;
+    }
+  }
+  if (largest >= 0x7f80u) {  // a NaN or Inf anywhere in the row
+    const GroupQuantizer q = make_group_quantizer(0.0f, 0.0f, false);
+    OSCAR_UNROLL
+    for (int g = 0; g < kGroups; ++g) meta[g] = q.meta;
+    OSCAR_UNROLL
+    for (int i = 0; i < kHeadDim / 32; ++i) words[i] = 0;
+    return;
+  }
+  const float tau_value = float_from_bits(tau << 16);
+
+  OSCAR_UNROLL
+  for (int g = 0; g < kGroups; ++g) {
+    constexpr int kGroupPairs = kSplitGroup ? kPairs : kGroup / 2;
+    uint32_t mn2 = half[g * kGroupPairs], mx2 = mn2;
+    OSCAR_UNROLL
+    for (int i = 1; i < kGroupPairs; ++i) {
+      mn2 = min_bf16(mn2, half[g * kGroupPairs + i]);
+      mx2 = max_bf16(mx2, half[g * kGroupPairs + i]);
+    }
+    float mn = low(mn2) < high(mn2) ? low(mn2) : high(mn2);
+    float mx = low(mx2) > high(mx2) ? low(mx2) : high(mx2);
+    if constexpr (kSplitGroup) {
+      const float other_mn = __uint_as_float(partner(__float_as_uint(mn)));
+      const float other_mx = __uint_as_float(partner(__float_as_uint(mx)));
+      mn = other_mn < mn ? other_mn : mn;
+      mx = other_mx > mx ? other_mx : mx;
+    }
+    mn = clamp_magnitude(mn, tau_value);
+    mx = clamp_magnitude(mx, tau_value);
+    const GroupQuantizer q = make_group_quantizer(mn, mx, true);
+    meta[g] = q.meta;
+    const uint32_t lo = ordered_key(float_bits(mn) >> 16), hi = ordered_key(float_bits(mx) >> 16);
+    uint32_t level[3];
+    if constexpr (kSplitGroup) {
+      // Two searches per lane instead of three: h = 0 finds levels 1 and 2, h = 1 levels 3 and 2.
+      const uint32_t own = level_threshold(q, h ? 3.0f : 1.0f, lo, hi);
+      const uint32_t other = partner(own);
+      level[0] = h ? other : own;
+      level[1] = level_threshold(q, 2.0f, lo, hi);
+      level[2] = h ? own : other;
+    } else {
+      OSCAR_UNROLL
+      for (int c = 0; c < 3; ++c) level[c] = level_threshold(q, float(c + 1), lo, hi);
+    }
+    OSCAR_UNROLL
+    for (int c = 0; c < 3; ++c) level[c] |= level[c] << 16;
+
+    // Partial words: element e of the half is quarter e / (G/4) of the group (of the row's
+    // quarters, this half holds 2h and 2h + 1 when the group is split).
+    constexpr int kQuarter = kGroup / 4;
+    constexpr int kWords = kGroup / 16;  // code words of one group
+    constexpr int kQuartersHere = kSplitGroup ? 2 : 4;
+    uint32_t part[kWords];
+    OSCAR_UNROLL
+    for (int k = 0; k < kWords; ++k) {
+      uint32_t word = 0;
+      OSCAR_UNROLL
+      for (int j = 0; j < kQuartersHere; ++j) {
+        const int pair = (g * (kSplitGroup ? 0 : kGroup) + j * kQuarter + 4 * k) / 2;
+        const int shift = 2 * (kSplitGroup ? 2 * h + j : j);
+        const uint32_t a = half[pair], b = half[pair + 1];
+        const uint32_t a1 = ge_mask(a, level[0]), a2 = ge_mask(a, level[1]), a3 = ge_mask(a, level[2]);
+        const uint32_t b1 = ge_mask(b, level[0]), b2 = ge_mask(b, level[1]), b3 = ge_mask(b, level[2]);
+        const uint32_t bit0 = byte_perm(a1 ^ a2 ^ a3, b1 ^ b2 ^ b3, 0x6420u);
+        const uint32_t bit1 = byte_perm(a2, b2, 0x6420u);
+        word |= ((bit0 & 0x55555555u) | (bit1 & 0xaaaaaaaau)) & (0x03030303u << shift);
+      }
+      part[k] = word;
+    }
+    if constexpr (kSplitGroup) {
+      // Words [h·W/2, (h+1)·W/2) are this lane's to store: its own part or'ed with the partner's.
+      OSCAR_UNROLL
+      for (int k = 0; k < kWords / 2; ++k) {
+        const uint32_t mine = h ? part[kWords / 2 + k] : part[k];
+        const uint32_t theirs = partner(h ? part[k] : part[kWords / 2 + k]);
+        words[k] = mine | theirs;
+      }
+    } else {
+      OSCAR_UNROLL
+      for (int k = 0; k < kWords; ++k) words[g * kWords + k] = part[k];
+    }
+  }
+}
+#endif
+
+}  // namespace oscar

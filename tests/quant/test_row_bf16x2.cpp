@@ -1,0 +1,99 @@
+// The thread-per-row quantizer (quantize_row_bf16x2) against the reference quantize_row: the
+// same packed bytes and fp16 metadata, bit for bit, for every clip rank of every supported
+// (head_dim, group), on rows built to hit its edges: ties of magnitude, signed zeros,
+// subnormals, values beyond the fp16 range, constant groups, NaN and Inf, and the level
+// thresholds crossing zero (symmetric groups put the middle threshold there, where bf16
+// values are densest).
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/quantizer_rows.hpp"
+#include "common/random.hpp"
+#include "oscar/quant/row.hpp"
+#include "oscar/quant/row_bf16x2.hpp"
+
+using namespace oscar;
+using oscar::testing::as_bf16_pairs;
+using oscar::testing::quantizer_edge_rows;
+
+namespace {
+
+// Returns the number of rows checked; every mismatch is a failed CHECK naming the row.
+template <int D, int G>
+int check_rows(const std::vector<std::vector<float>>& rows, int clip_k) {
+  int checked = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const std::vector<float>& x = rows[r];
+    uint8_t want_codes[D / 4];
+    QuantMeta want_meta[D / G];
+    quantize_row(x.data(), D, G, clip_k, want_codes, want_meta);
+
+    uint32_t pairs[D / 2];
+    const std::vector<uint32_t> p = as_bf16_pairs(x);
+    std::memcpy(pairs, p.data(), sizeof pairs);
+    uint32_t got_words[D / 16];
+    QuantMeta got_meta[D / G];
+    std::memset(got_words, 0xa5, sizeof got_words);  // poisoned: every word must be written
+    std::memset(got_meta, 0xa5, sizeof got_meta);
+    quantize_row_bf16x2<D, G>(pairs, clip_k, got_words, got_meta);
+    uint8_t got_codes[D / 4];
+    std::memcpy(got_codes, got_words, sizeof got_codes);  // little-endian words, as the GPU stores them
+
+    const bool codes_equal = std::memcmp(got_codes, want_codes, sizeof got_codes) == 0;
+    const bool meta_equal = std::memcmp(got_meta, want_meta, sizeof got_meta) == 0;
+    if (!codes_equal || !meta_equal) {
+      INFO("D=" << D << " G=" << G << " clip_k=" << clip_k << " row " << r);
+      CHECK(codes_equal);
+      CHECK(meta_equal);
+    }
+    ++checked;
+  }
+  return checked;
+}
+
+template <int D, int G>
+void check_every_clip_rank() {
+  const std::vector<std::vector<float>> rows = quantizer_edge_rows(D, D * 31 + G);
+  int checked = 0;
+  for (int clip_k = -1; clip_k < D; ++clip_k) checked += check_rows<D, G>(rows, clip_k);
+  CHECK(checked == int(rows.size()) * (D + 1));
+}
+
+}  // namespace
+
+TEST_CASE("quantize_row_bf16x2 writes quantize_row's bytes for every clip rank") {
+  check_every_clip_rank<64, 32>();
+  check_every_clip_rank<64, 64>();
+  check_every_clip_rank<128, 32>();
+  check_every_clip_rank<128, 64>();
+  check_every_clip_rank<128, 128>();
+}
+
+TEST_CASE("quantize_row_bf16x2 on many random rows at the authors' clip ratios") {
+  for (float rho : {0.96f, 0.92f, 0.85f, 1.0f}) {
+    std::vector<std::vector<float>> rows;
+    oscar::testing::RowGenerator gen(uint64_t(rho * 1000), 128, 6, 20.0f);
+    for (int i = 0; i < 2000; ++i) rows.push_back(gen.row());
+    CHECK(check_rows<128, 128>(rows, clip_rank(rho, 128)) == 2000);
+    CHECK(check_rows<128, 64>(rows, clip_rank(rho, 128)) == 2000);
+  }
+}
+
+TEST_CASE("the level thresholds are the smallest bf16 values that reach each level") {
+  // Direct check of the search on one group: every bf16 value in [mn, mx] against its code.
+  const GroupQuantizer q = make_group_quantizer(-2.5f, 3.0f, true);
+  const uint32_t lo = bf16x2::ordered_key(float_to_bf16(-2.5f).bits), hi = bf16x2::ordered_key(float_to_bf16(3.0f).bits);
+  for (int c = 1; c <= 3; ++c) {
+    const uint32_t b = bf16x2::level_threshold(q, float(c), lo, hi);
+    const float threshold = bf16_to_float(bf16_t{uint16_t(b)});
+    int mismatches = 0;
+    for (uint32_t key = lo; key <= hi; ++key) {
+      const float v = bf16_to_float(bf16_t{uint16_t(bf16x2::key_bits(key))});
+      mismatches += (quantize_code(v, q) >= uint32_t(c)) != (v >= threshold);
+    }
+    CHECK(mismatches == 0);
+  }
+}
