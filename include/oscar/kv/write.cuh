@@ -2,10 +2,13 @@
 // pack straight into INT2 pages) and demote (BF16 window pages -> INT2 pages), for one layer
 // or a layer-strided set of layers in one launch.
 //
-// One warp owns one row (one token of one KV head, K or V). Each lane holds the elements
-// lane + 32·e; the rotation accumulates y_j = Σ_i x_i R_ij with fma in i order and the
-// quantizer reduces exactly (integer counts for the clip threshold, min/max for the range), so
-// the bytes equal the CPU reference's (host::PagedCache::write) bit for bit.
+// The exact rotation runs a warp per row (one token of one KV head, K or V): each lane holds
+// the elements lane + 32·e and accumulates y_j = Σ_i x_i R_ij with fma in i order. Rows that
+// are staged in shared memory anyway (head_dim <= 128) are quantized a row per thread in
+// demotion (quantize_row_bf16x2) and a half row per lane in the tensor-core bulk append
+// (quantize_half_row_bf16x2); the others by their warp (warp_quantize_row). All reduce
+// exactly (integer selections for the clip threshold, min/max for the range), so the bytes
+// equal the CPU reference's (host::PagedCache::write) bit for bit.
 //
 // Launchers validate their arguments, never allocate, never synchronize (CUDA-graph
 // capturable, any stream) and return a Status. Device-resident slots are checked on the
@@ -27,6 +30,7 @@
 #include "oscar/quant/clip.hpp"
 #include "oscar/quant/format.hpp"
 #include "oscar/quant/quantize.hpp"
+#include "oscar/quant/row_bf16x2.hpp"
 
 namespace oscar {
 namespace write_detail {
@@ -480,17 +484,62 @@ __global__ void __launch_bounds__(kHeadDim) append_columns_kernel(const AppendPa
   write_timeline_end();
 }
 
-// The bulk form of append_kernel: tiles of 64 rows (token-major, head-minor) are loaded with
+// One thread quantizes a row held as bf16 pairs (quantize_row_bf16x2) and stores it into
+// INT2 block `block` at `token`: the codes in 16-byte pieces, the metadata as words.
+template <int kHeadDim, int kGroup>
+OSCAR_DEVICE void store_quantized_row(const uint32_t (&x)[kHeadDim / 2], int clip_k, const Int2Layout& layout,
+                                      uint8_t* block, int token) {
+  uint32_t codes[kHeadDim / 16];
+  QuantMeta meta[kHeadDim / kGroup];
+  quantize_row_bf16x2<kHeadDim, kGroup>(x, clip_k, codes, meta);
+  uint4* out = reinterpret_cast<uint4*>(layout.codes(block, token));
+  OSCAR_UNROLL
+  for (int i = 0; i < kHeadDim / 64; ++i) out[i] = make_uint4(codes[4 * i], codes[4 * i + 1], codes[4 * i + 2], codes[4 * i + 3]);
+  uint32_t* meta_out = reinterpret_cast<uint32_t*>(layout.meta(block, token));
+  OSCAR_UNROLL
+  for (int g = 0; g < kHeadDim / kGroup; ++g) meta_out[g] = uint32_t{meta[g].scale.bits} | uint32_t{meta[g].offset.bits} << 16;
+}
+
+// Lanes l and l ^ 16 quantize the halves of one row (quantize_half_row_bf16x2) and store it
+// into INT2 block `block` at `token`: each lane its half of the codes, and the metadata of its
+// groups (of the row's one group: the lane with h = 0).
+template <int kHeadDim, int kGroup>
+OSCAR_DEVICE void store_quantized_half_row(const uint32_t (&x)[kHeadDim / 4], int clip_k, int h, unsigned mask,
+                                           const Int2Layout& layout, uint8_t* block, int token) {
+  constexpr int kGroups = kHalfRowGroups<kHeadDim, kGroup>;
+  uint32_t codes[kHeadDim / 32];
+  QuantMeta meta[kGroups];
+  quantize_half_row_bf16x2<kHeadDim, kGroup>(x, clip_k, h, mask, codes, meta);
+  uint8_t* out = layout.codes(block, token) + h * (kHeadDim / 8);
+  if constexpr (kHeadDim == 128) {
+    *reinterpret_cast<uint4*>(out) = make_uint4(codes[0], codes[1], codes[2], codes[3]);
+  } else {
+    *reinterpret_cast<uint2*>(out) = make_uint2(codes[0], codes[1]);
+  }
+  if (kGroup != kHeadDim || h == 0) {
+    uint32_t* meta_out = reinterpret_cast<uint32_t*>(layout.meta(block, token)) + h * (kGroup == kHeadDim ? 0 : kGroups);
+    OSCAR_UNROLL
+    for (int g = 0; g < kGroups; ++g) meta_out[g] = uint32_t{meta[g].scale.bits} | uint32_t{meta[g].offset.bits} << 16;
+  }
+}
+
+// Two blocks per SM (16 warps: the copies and the quantizer are latency-bound) cap the
+// kernel at 128 registers; the thread-per-row quantizer alone would take 177.
+#if defined(OSCAR_TILE_MIN_BLOCKS)
+inline constexpr int kTileMinBlocks = OSCAR_TILE_MIN_BLOCKS;  // measurement knob
+#else
+inline constexpr int kTileMinBlocks = 2;
+#endif
+
+// The bulk form of append_kernel: tiles of 128 rows (token-major, head-minor) are loaded with
 // cp.async, rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that
-// rotated them, into BF16 slots or through the same quantizer. Grid: (blocks over tiles,
+// rotated them: into BF16 slots in 16-byte pieces, or quantized a row per lane. Grid: (blocks over tiles,
 // layer * 2 + K/V); each block stages its plane's R once and loops over tiles.
 template <int kHeadDim, int kGroup>
-__global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(const AppendParams p) {
-  constexpr int kPerLane = kHeadDim / 32;
+__global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor_core_kernel(const AppendParams p) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char s_raw[];
   RotationTile<kHeadDim>& tile = *reinterpret_cast<RotationTile<kHeadDim>*>(s_raw);
-  __shared__ uint8_t s_codes[kTileWarps][kHeadDim];
   if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
   const int layer = blockIdx.y / 2;
   const bool is_value = blockIdx.y % 2;
@@ -518,6 +567,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(con
     TokenSlot lane_slot{};
     if (lane_row < total) lane_slot = p.slots[lane_row / heads];
     if (rotation) rotate_warp_rows<kHeadDim>(tile, warp, lane);
+    // Rows bound for the BF16 window: the warp stores each in 16-byte pieces.
     for (int i = 0; i < 16; ++i) {
       const int r = warp * 16 + i;
       const uint32_t row = first + r;
@@ -531,14 +581,26 @@ __global__ void __launch_bounds__(kTileWarps * 32) append_tensor_core_kernel(con
           *reinterpret_cast<uint4*>(out + lane * 8) =
               *reinterpret_cast<const uint4*>(tile.rows + swizzled<kHeadDim>(r, lane * 8));
         }
-      } else {
-        float y[kPerLane];
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) y[e] = bf16_to_float(tile.rows[swizzled<kHeadDim>(r, lane + 32 * e)]);
-        uint8_t* block = plane.int2.block(slot.page, head) + layer * p.pools.int2_stride_layer;
-        warp_quantize_row<kHeadDim, kGroup>(y, plane.clip_k, s_codes[warp], plane.int2.layout.codes(block, slot.slot),
-                                            plane.int2.layout.meta(block, slot.slot), lane);
       }
+    }
+    // Rows bound for INT2 pages: lanes i and i + 16 quantize the halves of the warp's row i
+    // from shared memory (quantize_half_row_bf16x2). The swizzle puts a phase's 8 rows in 8
+    // bank groups.
+    const bool quantize = lane_row < total && lane_slot.int2;  // the same for both lanes of a row
+    const unsigned active = __ballot_sync(kFullMask, quantize);
+    if (quantize) {
+      const int r = warp * 16 + lane % 16, h = lane / 16;
+      uint32_t x[kHeadDim / 4];
+      OSCAR_UNROLL
+      for (int c = 0; c < kChunks / 2; ++c) {
+        const uint4 v = *reinterpret_cast<const uint4*>(tile.rows + swizzled<kHeadDim>(r, (h * kChunks / 2 + c) * 8));
+        x[4 * c] = v.x;
+        x[4 * c + 1] = v.y;
+        x[4 * c + 2] = v.z;
+        x[4 * c + 3] = v.w;
+      }
+      uint8_t* block = plane.int2.block(lane_slot.page, lane_row % heads) + layer * p.pools.int2_stride_layer;
+      store_quantized_half_row<kHeadDim, kGroup>(x, plane.clip_k, h, active, plane.int2.layout, block, lane_slot.slot);
     }
   }
 }
@@ -582,6 +644,73 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) 
       warp_quantize_row<kHeadDim, kGroup>(x[r], plane.clip_k, s_codes[warp], layout.codes(block, first + r),
                                           layout.meta(block, first + r), lane);
     }
+  }
+}
+
+// Demotion with a thread per row (head_dim <= 128; quantize_row_bf16x2): each warp stages 32
+// rows of (demotion, head, token) order through shared memory with coalesced 16-byte
+// cp.async (a lane reading its own row directly would touch 32 rows' lines per load), then
+// every lane quantizes its row from registers and stores its codes and metadata whole. Rows
+// past a demotion's `rows` are neither read nor written. (Half rows per lane, as the
+// tensor-core append runs them, measured slower here: 22.2 against 20.6 us at 256 pages on
+// the H100, 37 % more instructions for the exchanges and the shared threshold searches.)
+inline constexpr int kRowWarps = 4;
+// 4 blocks of 4 warps per SM: 128 registers without spills (164 unbounded, which allowed 3),
+// and 528 resident blocks on 132 SMs hold a 256-page demotion's 512 blocks in one wave
+// (3 per SM made 1.3 waves: H100, 21.3 against 20.6 us).
+#if defined(OSCAR_ROW_MIN_BLOCKS)
+inline constexpr int kRowMinBlocks = OSCAR_ROW_MIN_BLOCKS;  // measurement knob
+#else
+inline constexpr int kRowMinBlocks = 4;
+#endif
+template <int kHeadDim>
+inline constexpr int kStagedRowBytes = kHeadDim * 2 + 16;  // + 16: a phase's 16-byte reads hit distinct banks
+
+template <int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(kRowWarps * 32, kRowMinBlocks) demote_rows_kernel(const DemoteParams p) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces per row
+  __shared__ __align__(16) uint8_t s_rows[kRowWarps][32 * kStagedRowBytes<kHeadDim>];
+  if (!entries_valid(p.demotions, p.num_demotions, p.pools, p.error_flag, demotion_ok)) return;
+  const int layer = blockIdx.y / 2;
+  const bool is_value = blockIdx.y % 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t heads = p.pools.k_int2.num_kv_heads;
+  const uint32_t page = uint32_t(p.pools.k_int2.layout.page_size);  // a power of two >= 8
+  const uint32_t rows = uint32_t(p.num_demotions) * heads * page;
+  const WritePlane plane = write_plane(p.pools, layer, is_value);
+  const Int2Layout& layout = plane.int2.layout;
+  uint8_t* staged = s_rows[warp];
+  for (uint32_t first = (blockIdx.x * kRowWarps + warp) * 32; first < rows; first += gridDim.x * kRowWarps * 32) {
+    const uint32_t row = first + lane;
+    const uint32_t token = row % page, head = (row / page) % heads;
+    PageDemotion d{};
+    if (row < rows) d = p.demotions[row / page / heads];
+    const bool mine = row < rows && token < uint32_t(d.rows);
+    const bf16_t* src = mine ? plane.bf16.row(d.bf16_page, head, token) + layer * p.pools.bf16_stride_layer : nullptr;
+    // 32 rows x kChunks pieces; piece c of the warp's rows is lane c % 32's, of row c / kChunks.
+    __syncwarp();  // the previous rows' reads are done before they are overwritten
+    OSCAR_UNROLL
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = lane + 32 * i, r = c / kChunks, part = c % kChunks;
+      const bf16_t* from = reinterpret_cast<const bf16_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(src), r));
+      ptx::cp_async16_if(from != nullptr, ptx::smem_address(staged + r * kStagedRowBytes<kHeadDim> + part * 16),
+                         from + part * 8);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncwarp();
+    if (!mine) continue;
+    uint32_t x[kHeadDim / 2];
+    OSCAR_UNROLL
+    for (int i = 0; i < kChunks; ++i) {
+      const uint4 v = *reinterpret_cast<const uint4*>(staged + lane * kStagedRowBytes<kHeadDim> + i * 16);
+      x[4 * i] = v.x;
+      x[4 * i + 1] = v.y;
+      x[4 * i + 2] = v.z;
+      x[4 * i + 3] = v.w;
+    }
+    uint8_t* block = plane.int2.block(d.int2_page, head) + layer * p.pools.int2_stride_layer;
+    store_quantized_row<kHeadDim, kGroup>(x, plane.clip_k, layout, block, token);
   }
 }
 
@@ -789,6 +918,22 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
   });
 }
 
+namespace write_detail {
+// Whether demote_rows_kernel can take these pools: a thread per row needs head_dim <= 128
+// (the row in registers) and 16-byte aligned BF16 rows (its staging copies); otherwise the
+// warp-per-row demote_kernel runs, with the same bytes.
+inline bool demote_by_rows(const LayeredKvPools& pools) {
+  const auto aligned = [&](const Bf16PoolRef& pool) {
+    return reinterpret_cast<uintptr_t>(pool.data) % 16 == 0 && pool.stride_page % 8 == 0 && pool.stride_head % 8 == 0;
+  };
+#if defined(OSCAR_DEMOTE_ROWS_KERNEL)
+  if (!OSCAR_DEMOTE_ROWS_KERNEL) return false;  // measurement knob: =0 forces demote_kernel
+#endif
+  return pools.k_int2.layout.head_dim <= 128 && aligned(pools.k_bf16) && aligned(pools.v_bf16) &&
+         (pools.num_layers == 1 || pools.bf16_stride_layer % 8 == 0);
+}
+}  // namespace write_detail
+
 // Quantizes the listed window pages of every layer into their INT2 pages. error_flag required.
 inline Status demote_kv(const DemoteParams& params, cudaStream_t stream = nullptr) {
   OSCAR_RETURN_IF_ERROR(validate(params));
@@ -806,8 +951,20 @@ inline Status demote_kv(const DemoteParams& params, cudaStream_t stream = nullpt
     return invalid_argument("demote_kv: too many rows or layers for one launch; split it");
   }
   const int64_t items = rows / kDemoteRowsPerItem;
+  const int planes = params.pools.num_layers * 2;
+  const bool rows_kernel = demote_by_rows(params.pools);
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
-    demote_kernel<D, G><<<grid_for(items, params.pools.num_layers * 2), kThreads, 0, stream>>>(params);
+    if constexpr (D <= 128) {
+      if (rows_kernel) {
+        // 4 blocks need 139 KB of shared memory per SM; ask for the largest carveout once.
+        static const cudaError_t carveout = cudaFuncSetAttribute(
+            demote_rows_kernel<D, G>, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+        OSCAR_RETURN_IF_ERROR(cuda_status(carveout, "demote_kv shared-memory carveout"));
+        demote_rows_kernel<D, G><<<grid_for((rows + 31) / 32, planes, kRowWarps), kRowWarps * 32, 0, stream>>>(params);
+        return cuda_status(cudaGetLastError(), "demote_kv launch");
+      }
+    }
+    demote_kernel<D, G><<<grid_for(items, planes), kThreads, 0, stream>>>(params);
     return cuda_status(cudaGetLastError(), "demote_kv launch");
   });
 }
