@@ -48,13 +48,17 @@ struct DeviceArray {
 
 class DevicePools {
  public:
-  explicit DevicePools(const host::PagedCache& cache)
+  // bf16_offset shifts the BF16 pools by that many elements from their 256-byte-aligned
+  // allocation: 1 makes them only 2-byte aligned, which the 16-byte-copying kernels refuse and
+  // the launchers then route to their element-wise fallbacks.
+  explicit DevicePools(const host::PagedCache& cache, size_t bf16_offset = 0)
       : config_(cache.config()),
+        bf16_offset_(bf16_offset),
         int2_bytes_(size_t(config_.num_int2_pages) * config_.num_kv_heads * cache.int2_layout().block_bytes()),
         bf16_elems_(size_t(config_.num_bf16_pages) * config_.num_kv_heads * config_.page_size * config_.head_dim),
         k_int2_(int2_bytes_ * config_.num_layers),
         v_int2_(k_int2_.count),
-        k_bf16_(bf16_elems_ * config_.num_layers),
+        k_bf16_(bf16_elems_ * config_.num_layers + bf16_offset),
         v_bf16_(k_bf16_.count),
         k_rot_(size_t(config_.num_layers) * config_.head_dim * config_.head_dim),
         v_rot_(k_rot_.count),
@@ -84,9 +88,9 @@ class DevicePools {
     view_.v_int2 = i2;
     view_.v_int2.data = v_int2_.ptr;
     view_.k_bf16 = b16;
-    view_.k_bf16.data = k_bf16_.ptr;
+    view_.k_bf16.data = k_bf16_.ptr + bf16_offset_;
     view_.v_bf16 = b16;
-    view_.v_bf16.data = v_bf16_.ptr;
+    view_.v_bf16.data = v_bf16_.ptr + bf16_offset_;
     view_.int2_stride_layer = static_cast<int64_t>(int2_bytes_);
     view_.bf16_stride_layer = static_cast<int64_t>(bf16_elems_);
     view_.num_layers = config_.num_layers;
@@ -103,8 +107,10 @@ class DevicePools {
     for (int l = 0; l < config_.num_layers; ++l) {
       copy(k_int2_.ptr + l * int2_bytes_, cache.int2_pool(l, host::PagedCache::Tensor::kKeys).data, int2_bytes_);
       copy(v_int2_.ptr + l * int2_bytes_, cache.int2_pool(l, host::PagedCache::Tensor::kValues).data, int2_bytes_);
-      copy(k_bf16_.ptr + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kKeys).data, bf16_elems_ * 2);
-      copy(v_bf16_.ptr + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kValues).data, bf16_elems_ * 2);
+      copy(k_bf16_.ptr + bf16_offset_ + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kKeys).data,
+           bf16_elems_ * 2);
+      copy(v_bf16_.ptr + bf16_offset_ + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kValues).data,
+           bf16_elems_ * 2);
     }
   }
 
@@ -121,8 +127,10 @@ class DevicePools {
     for (int l = 0; l < config_.num_layers; ++l) {
       diff(k_int2.data() + l * int2_bytes_, cache.int2_pool(l, host::PagedCache::Tensor::kKeys).data, int2_bytes_);
       diff(v_int2.data() + l * int2_bytes_, cache.int2_pool(l, host::PagedCache::Tensor::kValues).data, int2_bytes_);
-      diff(k_bf16.data() + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kKeys).data, bf16_elems_ * 2);
-      diff(v_bf16.data() + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kValues).data, bf16_elems_ * 2);
+      diff(k_bf16.data() + bf16_offset_ + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kKeys).data,
+           bf16_elems_ * 2);
+      diff(v_bf16.data() + bf16_offset_ + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kValues).data,
+           bf16_elems_ * 2);
     }
     return differences;
   }
@@ -144,6 +152,7 @@ class DevicePools {
   }
 
   host::CacheConfig config_;
+  size_t bf16_offset_;
   size_t int2_bytes_, bf16_elems_;
   DeviceArray<uint8_t> k_int2_, v_int2_;
   DeviceArray<bf16_t> k_bf16_, v_bf16_;

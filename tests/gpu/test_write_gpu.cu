@@ -38,10 +38,12 @@ CacheConfig write_config(int d, int group, int page, int sink, int recent, int l
 
 // One append step on both sides; returns the number of differing bytes.
 size_t step_both(PagedCache& cache, DevicePools& device, const std::vector<RequestId>& ids,
-                 const std::vector<int32_t>& counts, RowGenerator& keys, RowGenerator& values, bool poison_nan) {
+                 const std::vector<int32_t>& counts, RowGenerator& keys, RowGenerator& values, bool poison_nan,
+                 size_t* demotions = nullptr) {
   const CacheConfig& c = cache.config();
   auto plan = cache.plan_append(ids, counts);
   REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
+  if (demotions) *demotions += plan->demotions.size();
   device.upload(cache);  // the pre-step state (what was written in earlier steps)
   const int tokens = static_cast<int>(plan->slots.size());
   KvRows kv = random_kv(keys, values, c, tokens);
@@ -165,6 +167,26 @@ TEST_CASE("unrotated cache and a single layer") {
   const std::vector<RequestId> ids{*cache.add_request()};
   CHECK(step_both(cache, device, ids, {500}, keys, values, false) == 0);
   CHECK(step_both(cache, device, ids, {17}, keys, values, false) == 0);
+}
+
+TEST_CASE("BF16 pools aligned to 2 bytes only: the element-wise fallbacks are bit-exact") {
+  // demote_kv stages rows with 16-byte copies (demote_rows_kernel) only from 16-byte aligned
+  // BF16 pools; here it must take the warp-per-row demote_kernel, at every head_dim it serves.
+  for (int d : {64, 128}) {
+    CAPTURE(d);
+    CacheConfig config = write_config(d, d, 16, 16, 32, 2);
+    PagedCache cache = make_cache(config, true, d + 3);
+    DevicePools device(cache, 1);
+    REQUIRE(reinterpret_cast<uintptr_t>(device.view().k_bf16.data) % 16 != 0);
+    RowGenerator keys(d + 5, d), values(d + 6, d);
+    std::vector<RequestId> ids;
+    for (int i = 0; i < 2; ++i) ids.push_back(*cache.add_request());
+    // Window appends, then steps whose window overflows a page: demotions.
+    const std::vector<std::vector<int32_t>> steps{{40, 47}, {1, 1}, {30, 16}, {1, 1}, {17, 1}, {1, 20}};
+    size_t demotions = 0;
+    for (const auto& step : steps) CHECK(step_both(cache, device, ids, step, keys, values, false, &demotions) == 0);
+    CHECK(demotions >= 3);
+  }
 }
 
 TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
