@@ -124,11 +124,11 @@ OSCAR_HOST_DEVICE void order_descending(uint32_t& a, uint32_t& b) {
 // Bitonic sort of N registers, descending in each half (two independent lists).
 template <int N>
 OSCAR_HOST_DEVICE void sort_descending(uint32_t (&v)[N]) {
-OSCAR_UNROLL
+  OSCAR_UNROLL
   for (int k = 2; k <= N; k <<= 1) {
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int j = k >> 1; j > 0; j >>= 1) {
-OSCAR_UNROLL
+      OSCAR_UNROLL
       for (int i = 0; i < N; ++i) {
         const int l = i ^ j;
         if (l > i) {
@@ -146,9 +146,9 @@ OSCAR_UNROLL
 // A bitonic sequence of N registers (per half) sorted descending by half-cleaners.
 template <int N>
 OSCAR_HOST_DEVICE void merge_descending(uint32_t (&v)[N]) {
-OSCAR_UNROLL
+  OSCAR_UNROLL
   for (int j = N >> 1; j > 0; j >>= 1) {
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 0; i < N; ++i) {
       const int l = i ^ j;
       if (l > i) order_descending(v[i], v[l]);
@@ -163,44 +163,45 @@ inline constexpr uint32_t kMagnitudes = 0x7fff7fffu;
 template <int N, int kPairs>
 OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_t (&top)[N]) {
   static_assert(kPairs % N == 0, "the row splits into blocks of N pairs");
-OSCAR_UNROLL
+  OSCAR_UNROLL
   for (int i = 0; i < N; ++i) top[i] = row[i] & kMagnitudes;
   sort_descending(top);
-OSCAR_UNROLL
+  OSCAR_UNROLL
   for (int start = N; start < kPairs; start += N) {
     uint32_t block[N];
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 0; i < N; ++i) block[i] = row[start + i] & kMagnitudes;
     sort_descending(block);
     // The N largest of two descending lists: max(top_i, block_{N-1-i}) is bitonic.
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 0; i < N; ++i) top[i] = max_u16(top[i], block[N - 1 - i]);
     merge_descending(top);
   }
   // The same step between the halves: the low list against the high one reversed.
   uint32_t both[N];
-OSCAR_UNROLL
+  OSCAR_UNROLL
   for (int i = 0; i < N; ++i) both[i] = max_u16(top[i], swap_halves(top[N - 1 - i]));
   merge_descending(both);
-OSCAR_UNROLL
+  OSCAR_UNROLL
   for (int i = 0; i < N; ++i) top[i] = both[i];
 }
 
-// The rank-th largest magnitude (rank 1 = the largest) for rank > 16: a bitwise search over
-// the 15 magnitude bits, counting both halves at once. (m <= T) is bit 15 of
-// (T | 0x8000) - m in each half, which cannot borrow across halves (m, T <= 0x7fff).
-template <int kPairs>
-OSCAR_HOST_DEVICE uint32_t magnitude_by_search(const uint32_t (&row)[kPairs], int rank) {
-  const int k = 2 * kPairs - rank;  // the k-th smallest, zero-based
+// The k-th smallest magnitude (zero-based) for clip ranks past the sorted selections: a
+// bitwise search over the 15 magnitude bits, counting both halves at once. (m <= T) is bit 15
+// of (T | 0x8000) - m in each half, which cannot borrow across halves (m, T <= 0x7fff).
+// count_both(c) turns this thread's two half-counts into the row's (a row split over two
+// lanes adds its partner's).
+template <int kPairs, class CountBoth>
+OSCAR_HOST_DEVICE uint32_t magnitude_by_search(const uint32_t (&row)[kPairs], int k, CountBoth count_both) {
   uint32_t answer = 0;
   for (int bit = 14; bit >= 0; --bit) {
     const uint32_t trial = answer | ((1u << bit) - 1u);
     const uint32_t trial2 = (trial | trial << 16) | 0x80008000u;
     uint32_t count2 = 0;
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 0; i < kPairs; ++i) count2 += ((trial2 - (row[i] & kMagnitudes)) >> 15) & 0x00010001u;
-    const int at_most = int(count2 & 0xffffu) + int(count2 >> 16);
-    if (at_most <= k) answer |= 1u << bit;
+    count2 = count_both(count2);
+    if (int(count2 & 0xffffu) + int(count2 >> 16) <= k) answer |= 1u << bit;
   }
   return answer;
 }
@@ -220,7 +221,7 @@ inline constexpr uint32_t kMinusInfBits = 0xff80u, kPlusInfBits = 0x7f80u;
 // prefix's last key bit by bit with quantize_code's own arithmetic.
 OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi) {
   uint32_t below = 0;  // the largest key known below the threshold (key 0, -NaN, is)
-OSCAR_UNROLL
+  OSCAR_UNROLL
   for (int bit = 15; bit >= 0; --bit) {
     const uint32_t trial = below | (1u << bit);
     const float v = float_from_bits(key_bits(trial) << 16);
@@ -258,38 +259,38 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
     uint32_t top[8];
     largest_magnitudes(row, top);
     largest = top[0] & 0xffffu;
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 0; i < 8; ++i) tau = i < rank ? top[i] & 0xffffu : tau;  // top[] descends: the least of the first `rank`
   } else if (clip_k >= 0 && rank <= kRowBf16x2SortedRanks) {
     uint32_t top[16];
     largest_magnitudes(row, top);
     largest = top[0] & 0xffffu;
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 0; i < 16; ++i) tau = i < rank ? top[i] & 0xffffu : tau;  // top[] descends: the least of the first `rank`
   } else {
     uint32_t m = 0;
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 0; i < kPairs; ++i) m = max_u16(m, row[i] & kMagnitudes);
     largest = max_u16(m, m >> 16) & 0xffffu;
-    if (clip_k >= 0 && largest < 0x7f80u) tau = magnitude_by_search(row, rank);
+    if (clip_k >= 0 && largest < 0x7f80u) tau = magnitude_by_search(row, clip_k, [](uint32_t c) { return c; });
   }
   const bool finite = largest < 0x7f80u;
   if (!finite) {
     // NaN metadata and zero codes in every group, as quantize_row stores a non-finite row.
     const GroupQuantizer q = make_group_quantizer(0.0f, 0.0f, false);
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int g = 0; g < kGroups; ++g) meta[g] = q.meta;
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 0; i < kHeadDim / 16; ++i) codes[i] = 0;
     return;
   }
   const float tau_value = float_from_bits(tau << 16);  // +Inf when not clipping
 
-OSCAR_UNROLL
+  OSCAR_UNROLL
   for (int g = 0; g < kGroups; ++g) {
     constexpr int kGroupPairs = kGroup / 2;
     uint32_t mn2 = row[g * kGroupPairs], mx2 = mn2;
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int i = 1; i < kGroupPairs; ++i) {
       mn2 = min_bf16(mn2, row[g * kGroupPairs + i]);
       mx2 = max_bf16(mx2, row[g * kGroupPairs + i]);
@@ -302,7 +303,7 @@ OSCAR_UNROLL
     // mn and mx are bf16 values (elements of the row or tau), so their keys are exact.
     const uint32_t lo = ordered_key(float_bits(mn) >> 16), hi = ordered_key(float_bits(mx) >> 16);
     uint32_t level[3];
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int c = 0; c < 3; ++c) {
       const uint32_t b = level_threshold(q, float(c + 1), lo, hi);
       level[c] = b | b << 16;
@@ -310,10 +311,10 @@ OSCAR_UNROLL
     // Word k of quarter-byte run holds elements 4k..4k+3 of each quarter; code bit 0 is
     // m1 ^ m2 ^ m3 and bit 1 is m2 (the masks of x >= b_1, b_2, b_3 nest).
     constexpr int kQuarter = kGroup / 4;
-OSCAR_UNROLL
+    OSCAR_UNROLL
     for (int k = 0; k < kGroup / 16; ++k) {
       uint32_t word = 0;
-OSCAR_UNROLL
+      OSCAR_UNROLL
       for (int quarter = 0; quarter < 4; ++quarter) {
         const int pair = (g * kGroup + quarter * kQuarter + 4 * k) / 2;
         const uint32_t a = row[pair], b = row[pair + 1];
@@ -382,18 +383,7 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
     m = max_u16(m, partner(m));
     largest = max_u16(m, m >> 16) & 0xffffu;
     if (clip_k >= 0 && largest < 0x7f80u) {
-      const int k = kHeadDim - rank;  // magnitude_by_search over both halves
-      uint32_t answer = 0;
-      for (int bit = 14; bit >= 0; --bit) {
-        const uint32_t trial = answer | ((1u << bit) - 1u);
-        const uint32_t trial2 = (trial | trial << 16) | 0x80008000u;
-        uint32_t count2 = 0;
-        OSCAR_UNROLL
-        for (int i = 0; i < kPairs; ++i) count2 += ((trial2 - (half[i] & kMagnitudes)) >> 15) & 0x00010001u;
-        count2 += partner(count2);
-        if (int(count2 & 0xffffu) + int(count2 >> 16) <= k) answer |= 1u << bit;
-      }
-      tau = answer;
+      tau = magnitude_by_search(half, clip_k, [&](uint32_t c) { return c + partner(c); });
     }
   }
   if (largest >= 0x7f80u) {  // a NaN or Inf anywhere in the row
