@@ -71,22 +71,21 @@ __global__ void quantize_bf16x2_kernel(const uint32_t* rows, int num_rows, int c
   for (int g = 0; g < D / G; ++g) meta[size_t(r) * (D / G) + g] = m[g];
 }
 
-// Two lanes per row, as demote_rows_kernel and the tensor-core append run it: lane l of a
-// warp holds half l / 16 of the warp's row l % 16.
+// Two lanes per row, as the tensor-core append runs it: lane l of a warp holds half l / 16 of
+// the warp's row l % 16. Pairs past the last row return at once: the others' shuffles name
+// only their own pair.
 template <int D, int G>
 __global__ void quantize_half_bf16x2_kernel(const uint32_t* rows, int num_rows, int clip_k, uint32_t* words,
                                             QuantMeta* meta) {
   const int lane = threadIdx.x % 32, h = lane / 16;
   const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * 16 + lane % 16;
-  const bool active = r < num_rows;
-  const unsigned mask = __ballot_sync(0xffffffffu, active);
-  if (!active) return;
+  if (r >= num_rows) return;
   uint32_t x[D / 4];
   for (int i = 0; i < D / 4; ++i) x[i] = rows[size_t(r) * (D / 2) + h * (D / 4) + i];
   constexpr int kGroups = kHalfRowGroups<D, G>;
   uint32_t w[D / 32];
   QuantMeta m[kGroups];
-  quantize_half_row_bf16x2<D, G>(x, clip_k, h, mask, w, m);
+  quantize_half_row_bf16x2<D, G>(x, clip_k, lane, w, m);
   for (int i = 0; i < D / 32; ++i) words[size_t(r) * (D / 16) + h * (D / 32) + i] = w[i];
   if (G != D || h == 0) {
     for (int g = 0; g < kGroups; ++g) meta[size_t(r) * (D / G) + h * (G == D ? 0 : kGroups) + g] = m[g];
@@ -208,7 +207,8 @@ TEST_CASE("quantize_row on the GPU is bit-exact with the CPU") {
 
 // The GPU's bf16x2 min/max and comparisons (HMNMX2, HSET2) and 16x2 integer min/max on
 // subnormals, signed zeros, ties and non-finite rows: every clip rank, edge rows and random ones
-// (a row count that is not a multiple of 16, so a warp of half rows runs with a partial mask).
+// (a row count that is not a multiple of 16, so the last warp of half rows has pairs that return
+// at once, and non-finite rows return early beside finite ones).
 template <int D, int G>
 void check_bf16x2_quantizer_on_gpu() {
   std::vector<std::vector<float>> rows = oscar::testing::quantizer_edge_rows(D, 7 * D + G);

@@ -4,6 +4,7 @@
 #include "common/gpu_test_main.hpp"
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "common/device_pools.hpp"
@@ -127,35 +128,41 @@ TEST_CASE("bulk append on tensor cores: rotation within one bf16 step, quantizat
   const TensorCoreAppendShape shapes[] = {
       {2, 3, 64, 64, 16, 700, false}, {2, 3, 64, 32, 8, 333, true}, {2, 8, 128, 128, 16, 1000, false},
       {2, 2, 128, 32, 32, 517, true}, {1, 4, 128, 64, 256, 90, false}};
-  for (const TensorCoreAppendShape& s : shapes) {
-    CAPTURE(s.head_dim);
-    CAPTURE(s.group);
-    CAPTURE(s.heads);
-    CAPTURE(s.tokens);
-    CAPTURE(s.values_prerotated);
-    TensorCoreAppendInputs in;
-    const size_t rows = size_t(s.layers) * s.tokens * s.heads;
-    in.k.resize(rows * s.head_dim);
-    in.v.resize(in.k.size());
-    RowGenerator(11 + s.head_dim, s.head_dim).fill_bf16(in.k.data(), rows);
-    RowGenerator(12 + s.head_dim, s.head_dim).fill_bf16(in.v.data(), rows);
-    in.k[size_t(5) * s.head_dim + 3] = float_to_bf16(std::nanf(""));  // a NaN row (layer 0)
-    for (int l = 0; l < s.layers; ++l) {
-      const std::vector<float> rk = random_orthogonal(s.head_dim, 100 + l), rv = random_orthogonal(s.head_dim, 200 + l);
-      in.k_rotation.insert(in.k_rotation.end(), rk.begin(), rk.end());
-      in.v_rotation.insert(in.v_rotation.end(), rv.begin(), rv.end());
-      in.k_rank.push_back(clip_rank(0.96f, s.head_dim));
-      in.v_rank.push_back(l == 0 ? clip_rank(0.92f, s.head_dim) : -1);
+  // The authors' clip ratios (clip ranks within the sorted top-8 / top-16 selections), and
+  // 0.85 / 0.80 (ranks past them at d = 128: the bitwise search, its counts exchanged within
+  // each pair of lanes while the NaN row's pair has returned).
+  for (const auto& [rho_k, rho_v] : {std::pair{0.96f, 0.92f}, std::pair{0.85f, 0.80f}}) {
+    for (const TensorCoreAppendShape& s : shapes) {
+      CAPTURE(rho_k);
+      CAPTURE(s.head_dim);
+      CAPTURE(s.group);
+      CAPTURE(s.heads);
+      CAPTURE(s.tokens);
+      CAPTURE(s.values_prerotated);
+      TensorCoreAppendInputs in;
+      const size_t rows = size_t(s.layers) * s.tokens * s.heads;
+      in.k.resize(rows * s.head_dim);
+      in.v.resize(in.k.size());
+      RowGenerator(11 + s.head_dim, s.head_dim).fill_bf16(in.k.data(), rows);
+      RowGenerator(12 + s.head_dim, s.head_dim).fill_bf16(in.v.data(), rows);
+      in.k[size_t(5) * s.head_dim + 3] = float_to_bf16(std::nanf(""));  // a NaN row (layer 0)
+      for (int l = 0; l < s.layers; ++l) {
+        const std::vector<float> rk = random_orthogonal(s.head_dim, 100 + l), rv = random_orthogonal(s.head_dim, 200 + l);
+        in.k_rotation.insert(in.k_rotation.end(), rk.begin(), rk.end());
+        in.v_rotation.insert(in.v_rotation.end(), rv.begin(), rv.end());
+        in.k_rank.push_back(clip_rank(rho_k, s.head_dim));
+        in.v_rank.push_back(l == 0 ? clip_rank(rho_v, s.head_dim) : -1);
+      }
+      const TensorCoreAppendReport r = run_tensor_core_append(s, in);
+      MESSAGE("d " << s.head_dim << " heads " << s.heads << ": of " << r.elements << " rotated elements, "
+                   << r.one_step_off << " one bf16 step from the FMA path's, " << r.further_off << " further");
+      CHECK(r.outside_bound == 0);
+      // Apart from cancelling sums, an element differs from the FMA path's only within ~2^-18
+      // relative of a bf16 rounding boundary (2^-9 apart): measured ~0.2% of elements on the H200;
+      // 1% catches a wrong split or a lost term that the bound alone could miss on large sums.
+      CHECK((r.one_step_off + r.further_off) * 100 <= r.elements);
+      CHECK(r.int2_mismatches == 0);
     }
-    const TensorCoreAppendReport r = run_tensor_core_append(s, in);
-    MESSAGE("d " << s.head_dim << " heads " << s.heads << ": of " << r.elements << " rotated elements, "
-                 << r.one_step_off << " one bf16 step from the FMA path's, " << r.further_off << " further");
-    CHECK(r.outside_bound == 0);
-    // Apart from cancelling sums, an element differs from the FMA path's only within ~2^-18
-    // relative of a bf16 rounding boundary (2^-9 apart): measured ~0.2% of elements on the H200;
-    // 1% catches a wrong split or a lost term that the bound alone could miss on large sums.
-    CHECK((r.one_step_off + r.further_off) * 100 <= r.elements);
-    CHECK(r.int2_mismatches == 0);
   }
 }
 
@@ -185,6 +192,26 @@ TEST_CASE("BF16 pools aligned to 2 bytes only: the element-wise fallbacks are bi
     const std::vector<std::vector<int32_t>> steps{{40, 47}, {1, 1}, {30, 16}, {1, 1}, {17, 1}, {1, 20}};
     size_t demotions = 0;
     for (const auto& step : steps) CHECK(step_both(cache, device, ids, step, keys, values, false, &demotions) == 0);
+    CHECK(demotions >= 3);
+  }
+}
+
+TEST_CASE("demotion of NaN rows and at clip ranks past the sorted selections is bit-exact") {
+  // A NaN row in the window (no sink, so token 3 is there) is demoted beside finite rows of its
+  // warp; clip ratios 0.85 / 0.80 take the bitwise search at d = 128 (ranks 20 and 26).
+  for (int d : {64, 128}) {
+    CAPTURE(d);
+    CacheConfig config = write_config(d, d == 64 ? 32 : d, 16, 0, 32, 2);
+    PagedCache cache = make_cache(config, true, d + 9, 0.85f, 0.80f);
+    DevicePools device(cache);
+    RowGenerator keys(d + 7, d), values(d + 8, d);
+    std::vector<RequestId> ids;
+    for (int i = 0; i < 2; ++i) ids.push_back(*cache.add_request());
+    const std::vector<std::vector<int32_t>> steps{{40, 47}, {30, 16}, {1, 1}, {17, 1}};
+    size_t demotions = 0;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      CHECK(step_both(cache, device, ids, steps[i], keys, values, i == 0, &demotions) == 0);
+    }
     CHECK(demotions >= 3);
   }
 }

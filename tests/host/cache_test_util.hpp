@@ -25,9 +25,12 @@ inline host::LayerQuantizer make_quantizer(int d, uint64_t seed, bool rotate, fl
   return q;
 }
 
-inline host::PagedCache make_cache(const host::CacheConfig& config, bool rotate, uint64_t seed = 1) {
+inline host::PagedCache make_cache(const host::CacheConfig& config, bool rotate, uint64_t seed = 1, float rho_k = 0.96f,
+                                   float rho_v = 0.92f) {
   std::vector<host::LayerQuantizer> layers;
-  for (int l = 0; l < config.num_layers; ++l) layers.push_back(make_quantizer(config.head_dim, seed + l, rotate));
+  for (int l = 0; l < config.num_layers; ++l) {
+    layers.push_back(make_quantizer(config.head_dim, seed + l, rotate, rho_k, rho_v));
+  }
   auto cache = host::PagedCache::create(config, std::move(layers));
   REQUIRE_MESSAGE(cache.ok(), cache.status().to_string());
   return std::move(cache).value();

@@ -504,12 +504,13 @@ OSCAR_DEVICE void store_quantized_row(const uint32_t (&x)[kHeadDim / 2], int cli
 // into INT2 block `block` at `token`: each lane its half of the codes, and the metadata of its
 // groups (of the row's one group: the lane with h = 0).
 template <int kHeadDim, int kGroup>
-OSCAR_DEVICE void store_quantized_half_row(const uint32_t (&x)[kHeadDim / 4], int clip_k, int h, unsigned mask,
+OSCAR_DEVICE void store_quantized_half_row(const uint32_t (&x)[kHeadDim / 4], int clip_k, int lane,
                                            const Int2Layout& layout, uint8_t* block, int token) {
+  const int h = lane / 16;
   constexpr int kGroups = kHalfRowGroups<kHeadDim, kGroup>;
   uint32_t codes[kHeadDim / 32];
   QuantMeta meta[kGroups];
-  quantize_half_row_bf16x2<kHeadDim, kGroup>(x, clip_k, h, mask, codes, meta);
+  quantize_half_row_bf16x2<kHeadDim, kGroup>(x, clip_k, lane, codes, meta);
   uint8_t* out = layout.codes(block, token) + h * (kHeadDim / 8);
   if constexpr (kHeadDim == 128) {
     *reinterpret_cast<uint4*>(out) = make_uint4(codes[0], codes[1], codes[2], codes[3]);
@@ -524,7 +525,8 @@ OSCAR_DEVICE void store_quantized_half_row(const uint32_t (&x)[kHeadDim / 4], in
 }
 
 // Two blocks per SM (16 warps: the copies and the quantizer are latency-bound) cap the
-// kernel at 128 registers; the thread-per-row quantizer alone would take 177.
+// kernel at 128 registers, which the half-row quantizer fits (a row per thread took 177, or
+// 88 bytes of spills at 128: 406 / 323 us against 279 with half rows, H100).
 #if defined(OSCAR_TILE_MIN_BLOCKS)
 inline constexpr int kTileMinBlocks = OSCAR_TILE_MIN_BLOCKS;  // measurement knob
 #else
@@ -533,7 +535,7 @@ inline constexpr int kTileMinBlocks = 2;
 
 // The bulk form of append_kernel: tiles of 128 rows (token-major, head-minor) are loaded with
 // cp.async, rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that
-// rotated them: into BF16 slots in 16-byte pieces, or quantized a row per lane. Grid: (blocks over tiles,
+// rotated them: into BF16 slots in 16-byte pieces, or quantized half a row per lane. Grid: (blocks over tiles,
 // layer * 2 + K/V); each block stages its plane's R once and loops over tiles.
 template <int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor_core_kernel(const AppendParams p) {
@@ -561,8 +563,9 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     __syncthreads();
-    // Lane i < 16 looks up the slot of the warp's row i now, so the 16 lookups are in
-    // flight together (during the MMAs) instead of one dependent load per row below.
+    // Lanes i and i + 16 look up the slot of the warp's row i now, so the 16 lookups are in
+    // flight together (during the MMAs) instead of one dependent load per row below; both
+    // lanes of a row use it when they quantize its halves.
     const uint32_t lane_row = first + warp * 16 + lane % 16;
     TokenSlot lane_slot{};
     if (lane_row < total) lane_slot = p.slots[lane_row / heads];
@@ -586,9 +589,7 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
     // Rows bound for INT2 pages: lanes i and i + 16 quantize the halves of the warp's row i
     // from shared memory (quantize_half_row_bf16x2). The swizzle puts a phase's 8 rows in 8
     // bank groups.
-    const bool quantize = lane_row < total && lane_slot.int2;  // the same for both lanes of a row
-    const unsigned active = __ballot_sync(kFullMask, quantize);
-    if (quantize) {
+    if (lane_row < total && lane_slot.int2) {  // the same for both lanes of a row
       const int r = warp * 16 + lane % 16, h = lane / 16;
       uint32_t x[kHeadDim / 4];
       OSCAR_UNROLL
@@ -600,7 +601,7 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
         x[4 * c + 3] = v.w;
       }
       uint8_t* block = plane.int2.block(lane_slot.page, lane_row % heads) + layer * p.pools.int2_stride_layer;
-      store_quantized_half_row<kHeadDim, kGroup>(x, plane.clip_k, h, active, plane.int2.layout, block, lane_slot.slot);
+      store_quantized_half_row<kHeadDim, kGroup>(x, plane.clip_k, lane, plane.int2.layout, block, lane_slot.slot);
     }
   }
 }
@@ -694,7 +695,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, kRowMinBlocks) demote_rows_ker
       const int c = lane + 32 * i, r = c / kChunks, part = c % kChunks;
       const bf16_t* from = reinterpret_cast<const bf16_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(src), r));
       ptx::cp_async16_if(from != nullptr, ptx::smem_address(staged + r * kStagedRowBytes<kHeadDim> + part * 16),
-                         from + part * 8);
+                         from != nullptr ? from + part * 8 : from);
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();

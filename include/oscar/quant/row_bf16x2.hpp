@@ -16,9 +16,10 @@
 //    an fma and three comparisons per element: the code of x is monotone in x, so
 //    quantize_code(clamp(x), q) >= c exactly when x >= b_c for the smallest bf16 value b_c
 //    that reaches c, found once per group by a 16-step bitwise search that evaluates
-//    quantize_code's own arithmetic. No element is clamped: a threshold inside the clipped
-//    range (-tau, tau] compares the same on the raw and the clamped value, and one outside it
-//    becomes -Inf (every element reaches c) or +Inf (none does).
+//    quantize_code's own arithmetic. No element is clamped: a threshold inside the group's
+//    clamped range (lo, hi], which lies in (-tau, tau], compares the same on the raw and the
+//    clamped value, and one outside it becomes -Inf (every element reaches c) or +Inf (none
+//    does).
 //  - Bytes are packed in registers in the format's order with byte permutes.
 //
 // Bit-exact with quantize_row for every finite or non-finite bf16 row, clip rank and group
@@ -332,20 +333,22 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
 }
 
 #if defined(__CUDACC__)
-// Half a row per lane: lanes l and l ^ 16 of a warp hold elements [0, D/2) and [D/2, D) of
-// one row (h = 0 and 1), as bf16 pairs, and exchange what the halves must agree on by
-// shuffles: their top lists, the group extremes, the level thresholds and, for a group as
-// wide as the row, the partial code words. Each lane then stores bytes [h·D/8, (h+1)·D/8) of
-// the row's codes and the metadata of its groups (of the row's one group: h = 0). Half the
-// registers and half the dependent chain of quantize_row_bf16x2 per lane, so a warp of 16
-// rows keeps every lane busy. `mask` holds every lane taking part (pairs whole); the bytes
-// are quantize_row's (test_functors_gpu).
 template <int kHeadDim, int kGroup>
 inline constexpr int kHalfRowGroups = kGroup == kHeadDim ? 1 : kHeadDim / 2 / kGroup;
 
+// Half a row per lane: lanes l and l ^ 16 of a warp (l = `lane`, 0..31) hold elements
+// [0, D/2) and [D/2, D) of one row (h = l / 16 = 0 and 1), as bf16 pairs, and exchange what
+// the halves must agree on by shuffles within the pair: their top lists, the group extremes,
+// the level thresholds and, for a group as wide as the row, the partial code words. Each lane
+// then stores bytes [h·D/8, (h+1)·D/8) of the row's codes and the metadata of its groups (of
+// the row's one group: h = 0). Half the registers and half the dependent chain of
+// quantize_row_bf16x2 per lane, so a warp of 16 rows keeps every lane busy. Both lanes of a
+// pair call it; other pairs need not (a pair's shuffles name only its two lanes, which take
+// the same branches, a non-finite row's early return included). The bytes are quantize_row's
+// (test_functors_gpu).
 template <int kHeadDim, int kGroup>
-__device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[kHeadDim / 4], int clip_k, int h,
-                                                         unsigned mask, uint32_t (&words)[kHeadDim / 32],
+__device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[kHeadDim / 4], int clip_k, int lane,
+                                                         uint32_t (&words)[kHeadDim / 32],
                                                          QuantMeta (&meta)[kHalfRowGroups<kHeadDim, kGroup>]) {
   using namespace bf16x2;
   constexpr int kPairs = kHeadDim / 4;
@@ -353,7 +356,9 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
   constexpr int kGroups = kHalfRowGroups<kHeadDim, kGroup>;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "a half row of 256 does not fit one thread's registers");
   static_assert(kGroup >= 32 && kGroup <= kHeadDim && kHeadDim % kGroup == 0, "supported groups");
-  const auto partner = [mask](uint32_t v) { return __shfl_xor_sync(mask, v, 16); };
+  const int h = lane / 16;
+  const unsigned pair_mask = 0x10001u << (lane % 16);
+  const auto partner = [pair_mask](uint32_t v) { return __shfl_xor_sync(pair_mask, v, 16); };
 
   uint32_t largest = 0, tau = 0x7f80u;
   const int rank = kHeadDim - clip_k;
