@@ -19,7 +19,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -921,27 +920,6 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
 }
 
 namespace write_detail {
-// Asks the driver, once per device, for the largest shared-memory carveout for `kernel`
-// (demote_rows_kernel's 4 blocks per SM need 139 KB). It is a hint: a refusal changes only the
-// occupancy, so it is cleared rather than returned, and the launch that follows reports its
-// own errors.
-template <class Kernel>
-inline void prefer_max_shared_carveout(Kernel kernel, std::atomic<uint64_t>& devices_done) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
-    (void)cudaGetLastError();
-    return;
-  }
-  const uint64_t bit = uint64_t{1} << device;
-  if (devices_done.load(std::memory_order_relaxed) & bit) return;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) ==
-      cudaSuccess) {
-    devices_done.fetch_or(bit, std::memory_order_relaxed);
-  } else {
-    (void)cudaGetLastError();
-  }
-}
-
 // Whether demote_rows_kernel can take these pools: a thread per row needs head_dim <= 128
 // (the row in registers) and 16-byte aligned BF16 rows (its staging copies); otherwise the
 // warp-per-row demote_kernel runs, with the same bytes.
@@ -979,8 +957,13 @@ inline Status demote_kv(const DemoteParams& params, cudaStream_t stream = nullpt
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
     if constexpr (D <= 128) {
       if (rows_kernel) {
-        static std::atomic<uint64_t> carveout_set{0};  // a bit per device
-        prefer_max_shared_carveout(demote_rows_kernel<D, G>, carveout_set);
+        // 4 blocks per SM need 139 KB of shared memory: ask for the largest carveout. Set at
+        // every launch, as paged_attention sets its attributes: a host call (none in a graph
+        // replay), and it survives cudaDeviceReset, which a once-flag would not.
+        OSCAR_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(demote_rows_kernel<D, G>,
+                                                               cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                               cudaSharedmemCarveoutMaxShared),
+                                          "demote_kv: shared-memory carveout"));
         demote_rows_kernel<D, G><<<grid_for((rows + 31) / 32, planes, kRowWarps), kRowWarps * 32, 0, stream>>>(params);
         return cuda_status(cudaGetLastError(), "demote_kv launch");
       }
