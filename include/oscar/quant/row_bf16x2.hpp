@@ -234,6 +234,43 @@ OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uin
   return key_bits(threshold);
 }
 
+// The rank-th largest (rank <= N) of a descending top list, as magnitude bits: the least of
+// the first `rank` entries, by a select per entry (indexing top[rank - 1] would put the list
+// in local memory). A rank below 1 selects none: +Inf, no clipping.
+template <int N>
+OSCAR_HOST_DEVICE uint32_t rank_th(const uint32_t (&top)[N], int rank) {
+  uint32_t value = 0x7f80u;
+  OSCAR_UNROLL
+  for (int i = 0; i < N; ++i) value = i < rank ? top[i] & 0xffffu : value;
+  return value;
+}
+
+// Extremes of kCount pairs of row starting at pair `first` (finite values), as floats.
+template <int kCount, int kPairs>
+OSCAR_HOST_DEVICE void pair_extremes(const uint32_t (&row)[kPairs], int first, float& mn, float& mx) {
+  uint32_t mn2 = row[first], mx2 = mn2;
+  OSCAR_UNROLL
+  for (int i = 1; i < kCount; ++i) {
+    mn2 = min_bf16(mn2, row[first + i]);
+    mx2 = max_bf16(mx2, row[first + i]);
+  }
+  mn = low(mn2) < high(mn2) ? low(mn2) : high(mn2);
+  mx = low(mx2) > high(mx2) ? low(mx2) : high(mx2);
+}
+
+// The 2-bit codes of elements 4k..4k+3 of one quarter of a group (pairs a = (4k, 4k+1) and
+// b = (4k+2, 4k+3)) against the level thresholds (each broadcast to both halves), in bits
+// `shift`, `shift` + 1 of bytes 0..3: code bit 0 is m1 ^ m2 ^ m3 and bit 1 is m2 (the masks of
+// x >= b_1, b_2, b_3 nest); the byte permutes put the low and high halves of a, then of b, in
+// bytes 0..3.
+OSCAR_HOST_DEVICE uint32_t quarter_code_bits(uint32_t a, uint32_t b, const uint32_t (&level)[3], int shift) {
+  const uint32_t a1 = ge_mask(a, level[0]), a2 = ge_mask(a, level[1]), a3 = ge_mask(a, level[2]);
+  const uint32_t b1 = ge_mask(b, level[0]), b2 = ge_mask(b, level[1]), b3 = ge_mask(b, level[2]);
+  const uint32_t bit0 = byte_perm(a1 ^ a2 ^ a3, b1 ^ b2 ^ b3, 0x6420u);
+  const uint32_t bit1 = byte_perm(a2, b2, 0x6420u);
+  return ((bit0 & 0x55555555u) | (bit1 & 0xaaaaaaaau)) & (0x03030303u << shift);
+}
+
 }  // namespace bf16x2
 
 // Largest clip rank distance (head_dim - clip_k) served by the 8- and 16-wide selections.
@@ -256,18 +293,17 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
   // clip threshold tau, as magnitude bits.
   uint32_t largest = 0, tau = 0x7f80u;
   const int rank = kHeadDim - clip_k;  // tau is the rank-th largest magnitude
+  const auto select = [&](auto& top) {
+    largest_magnitudes(row, top);
+    largest = top[0] & 0xffffu;
+    tau = rank_th(top, rank);
+  };
   if (clip_k >= 0 && rank <= 8) {
     uint32_t top[8];
-    largest_magnitudes(row, top);
-    largest = top[0] & 0xffffu;
-    OSCAR_UNROLL
-    for (int i = 0; i < 8; ++i) tau = i < rank ? top[i] & 0xffffu : tau;  // top[] descends: the least of the first `rank`
+    select(top);
   } else if (clip_k >= 0 && rank <= kRowBf16x2SortedRanks) {
     uint32_t top[16];
-    largest_magnitudes(row, top);
-    largest = top[0] & 0xffffu;
-    OSCAR_UNROLL
-    for (int i = 0; i < 16; ++i) tau = i < rank ? top[i] & 0xffffu : tau;  // top[] descends: the least of the first `rank`
+    select(top);
   } else {
     uint32_t m = 0;
     OSCAR_UNROLL
@@ -289,16 +325,11 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
 
   OSCAR_UNROLL
   for (int g = 0; g < kGroups; ++g) {
-    constexpr int kGroupPairs = kGroup / 2;
-    uint32_t mn2 = row[g * kGroupPairs], mx2 = mn2;
-    OSCAR_UNROLL
-    for (int i = 1; i < kGroupPairs; ++i) {
-      mn2 = min_bf16(mn2, row[g * kGroupPairs + i]);
-      mx2 = max_bf16(mx2, row[g * kGroupPairs + i]);
-    }
+    float mn, mx;
+    pair_extremes<kGroup / 2>(row, g * (kGroup / 2), mn, mx);
     // The clipped group's extremes are the clamped extremes (clipping is a monotone clamp).
-    const float mn = clamp_magnitude(low(mn2) < high(mn2) ? low(mn2) : high(mn2), tau_value);
-    const float mx = clamp_magnitude(low(mx2) > high(mx2) ? low(mx2) : high(mx2), tau_value);
+    mn = clamp_magnitude(mn, tau_value);
+    mx = clamp_magnitude(mx, tau_value);
     const GroupQuantizer q = make_group_quantizer(mn, mx, true);
     meta[g] = q.meta;
     // mn and mx are bf16 values (elements of the row or tau), so their keys are exact.
@@ -309,8 +340,7 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
       const uint32_t b = level_threshold(q, float(c + 1), lo, hi);
       level[c] = b | b << 16;
     }
-    // Word k of quarter-byte run holds elements 4k..4k+3 of each quarter; code bit 0 is
-    // m1 ^ m2 ^ m3 and bit 1 is m2 (the masks of x >= b_1, b_2, b_3 nest).
+    // Word k of the group's codes holds elements 4k..4k+3 of each quarter.
     constexpr int kQuarter = kGroup / 4;
     OSCAR_UNROLL
     for (int k = 0; k < kGroup / 16; ++k) {
@@ -318,14 +348,7 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
       OSCAR_UNROLL
       for (int quarter = 0; quarter < 4; ++quarter) {
         const int pair = (g * kGroup + quarter * kQuarter + 4 * k) / 2;
-        const uint32_t a = row[pair], b = row[pair + 1];
-        const uint32_t a1 = ge_mask(a, level[0]), a2 = ge_mask(a, level[1]), a3 = ge_mask(a, level[2]);
-        const uint32_t b1 = ge_mask(b, level[0]), b2 = ge_mask(b, level[1]), b3 = ge_mask(b, level[2]);
-        // Bytes 0..3 = elements 4k..4k+3: the low and high halves of a, then of b.
-        const uint32_t bit0 = byte_perm(a1 ^ a2 ^ a3, b1 ^ b2 ^ b3, 0x6420u);
-        const uint32_t bit1 = byte_perm(a2, b2, 0x6420u);
-        const uint32_t two_bits = (bit0 & 0x55555555u) | (bit1 & 0xaaaaaaaau);
-        word |= two_bits & (0x03030303u << (2 * quarter));
+        word |= quarter_code_bits(row[pair], row[pair + 1], level, 2 * quarter);
       }
       codes[g * (kGroup / 16) + k] = word;
     }
@@ -372,8 +395,7 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
     for (int i = 0; i < N; ++i) top[i] = max_u16(top[i], other[N - 1 - i]);
     merge_descending(top);
     largest = top[0] & 0xffffu;
-    OSCAR_UNROLL
-    for (int i = 0; i < N; ++i) tau = i < rank ? top[i] & 0xffffu : tau;  // top[] descends
+    tau = rank_th(top, rank);
   };
   if (clip_k >= 0 && rank <= 8) {
     uint32_t top[8];
@@ -404,14 +426,8 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
   OSCAR_UNROLL
   for (int g = 0; g < kGroups; ++g) {
     constexpr int kGroupPairs = kSplitGroup ? kPairs : kGroup / 2;
-    uint32_t mn2 = half[g * kGroupPairs], mx2 = mn2;
-    OSCAR_UNROLL
-    for (int i = 1; i < kGroupPairs; ++i) {
-      mn2 = min_bf16(mn2, half[g * kGroupPairs + i]);
-      mx2 = max_bf16(mx2, half[g * kGroupPairs + i]);
-    }
-    float mn = low(mn2) < high(mn2) ? low(mn2) : high(mn2);
-    float mx = low(mx2) > high(mx2) ? low(mx2) : high(mx2);
+    float mn, mx;
+    pair_extremes<kGroupPairs>(half, g * kGroupPairs, mn, mx);
     if constexpr (kSplitGroup) {
       const float other_mn = __uint_as_float(partner(__float_as_uint(mn)));
       const float other_mx = __uint_as_float(partner(__float_as_uint(mx)));
@@ -450,13 +466,7 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
       OSCAR_UNROLL
       for (int j = 0; j < kQuartersHere; ++j) {
         const int pair = (g * (kSplitGroup ? 0 : kGroup) + j * kQuarter + 4 * k) / 2;
-        const int shift = 2 * (kSplitGroup ? 2 * h + j : j);
-        const uint32_t a = half[pair], b = half[pair + 1];
-        const uint32_t a1 = ge_mask(a, level[0]), a2 = ge_mask(a, level[1]), a3 = ge_mask(a, level[2]);
-        const uint32_t b1 = ge_mask(b, level[0]), b2 = ge_mask(b, level[1]), b3 = ge_mask(b, level[2]);
-        const uint32_t bit0 = byte_perm(a1 ^ a2 ^ a3, b1 ^ b2 ^ b3, 0x6420u);
-        const uint32_t bit1 = byte_perm(a2, b2, 0x6420u);
-        word |= ((bit0 & 0x55555555u) | (bit1 & 0xaaaaaaaau)) & (0x03030303u << shift);
+        word |= quarter_code_bits(half[pair], half[pair + 1], level, 2 * (kSplitGroup ? 2 * h + j : j));
       }
       part[k] = word;
     }
