@@ -484,6 +484,11 @@ __global__ void __launch_bounds__(kHeadDim) append_columns_kernel(const AppendPa
   write_timeline_end();
 }
 
+// A group's metadata as the word the INT2 layout stores (scale in the low half).
+OSCAR_DEVICE uint32_t meta_word(const QuantMeta& meta) {
+  return uint32_t{meta.scale.bits} | uint32_t{meta.offset.bits} << 16;
+}
+
 // One thread quantizes a row held as bf16 pairs (quantize_row_bf16x2) and stores it into
 // INT2 block `block` at `token`: the codes in 16-byte pieces, the metadata as words.
 template <int kHeadDim, int kGroup>
@@ -497,7 +502,7 @@ OSCAR_DEVICE void store_quantized_row(const uint32_t (&x)[kHeadDim / 2], int cli
   for (int i = 0; i < kHeadDim / 64; ++i) out[i] = make_uint4(codes[4 * i], codes[4 * i + 1], codes[4 * i + 2], codes[4 * i + 3]);
   uint32_t* meta_out = reinterpret_cast<uint32_t*>(layout.meta(block, token));
   OSCAR_UNROLL
-  for (int g = 0; g < kHeadDim / kGroup; ++g) meta_out[g] = uint32_t{meta[g].scale.bits} | uint32_t{meta[g].offset.bits} << 16;
+  for (int g = 0; g < kHeadDim / kGroup; ++g) meta_out[g] = meta_word(meta[g]);
 }
 
 // Lanes l and l ^ 16 quantize the halves of one row (quantize_half_row_bf16x2) and store it
@@ -520,7 +525,7 @@ OSCAR_DEVICE void store_quantized_half_row(const uint32_t (&x)[kHeadDim / 4], in
   if (kGroup != kHeadDim || h == 0) {
     uint32_t* meta_out = reinterpret_cast<uint32_t*>(layout.meta(block, token)) + h * (kGroup == kHeadDim ? 0 : kGroups);
     OSCAR_UNROLL
-    for (int g = 0; g < kGroups; ++g) meta_out[g] = uint32_t{meta[g].scale.bits} | uint32_t{meta[g].offset.bits} << 16;
+    for (int g = 0; g < kGroups; ++g) meta_out[g] = meta_word(meta[g]);
   }
 }
 
@@ -758,6 +763,12 @@ Status dispatch_shape(int head_dim, int group, Launch&& launch) {
 
 namespace write_detail {
 
+// Whether every row of a BF16 pool starts 16-byte aligned (its data and strides; rows are
+// head_dim * 2 bytes, a multiple of 128): what kernels that copy rows in 16-byte pieces need.
+inline bool bf16_rows_16b_aligned(const Bf16PoolRef& pool) {
+  return reinterpret_cast<uintptr_t>(pool.data) % 16 == 0 && pool.stride_page % 8 == 0 && pool.stride_head % 8 == 0;
+}
+
 // Why the tensor-core rotation cannot take these arguments, or "" when it can: it reads rows
 // and R in 16-byte pieces and stores BF16 rows in 16-byte pieces.
 inline std::string tensor_core_rotation_blocker(const AppendParams& p) {
@@ -768,11 +779,9 @@ inline std::string tensor_core_rotation_blocker(const AppendParams& p) {
       (p.pools.num_layers > 1 && p.in_stride_layer % 8 != 0)) {
     return "k, v, in_stride_token and in_stride_layer must be 16-byte aligned for the tensor-core rotation";
   }
-  for (const Bf16PoolRef* pool : {&p.pools.k_bf16, &p.pools.v_bf16}) {
-    if (!aligned(pool->data) || pool->stride_page % 8 != 0 || pool->stride_head % 8 != 0 ||
-        p.pools.bf16_stride_layer % 8 != 0) {
-      return "BF16 pools and their strides must be 16-byte aligned for the tensor-core rotation";
-    }
+  if (!bf16_rows_16b_aligned(p.pools.k_bf16) || !bf16_rows_16b_aligned(p.pools.v_bf16) ||
+      p.pools.bf16_stride_layer % 8 != 0) {
+    return "BF16 pools and their strides must be 16-byte aligned for the tensor-core rotation";
   }
   return {};
 }
@@ -924,14 +933,11 @@ namespace write_detail {
 // (the row in registers) and 16-byte aligned BF16 rows (its staging copies); otherwise the
 // warp-per-row demote_kernel runs, with the same bytes.
 inline bool demote_by_rows(const LayeredKvPools& pools) {
-  const auto aligned = [&](const Bf16PoolRef& pool) {
-    return reinterpret_cast<uintptr_t>(pool.data) % 16 == 0 && pool.stride_page % 8 == 0 && pool.stride_head % 8 == 0;
-  };
 #if defined(OSCAR_DEMOTE_ROWS_KERNEL)
   if (!OSCAR_DEMOTE_ROWS_KERNEL) return false;  // measurement knob: =0 forces demote_kernel
 #endif
-  return pools.k_int2.layout.head_dim <= 128 && aligned(pools.k_bf16) && aligned(pools.v_bf16) &&
-         (pools.num_layers == 1 || pools.bf16_stride_layer % 8 == 0);
+  return pools.k_int2.layout.head_dim <= 128 && bf16_rows_16b_aligned(pools.k_bf16) &&
+         bf16_rows_16b_aligned(pools.v_bf16) && (pools.num_layers == 1 || pools.bf16_stride_layer % 8 == 0);
 }
 }  // namespace write_detail
 
