@@ -276,25 +276,21 @@ OSCAR_HOST_DEVICE uint32_t quarter_code_bits(uint32_t a, uint32_t b, const uint3
 // Largest clip rank distance (head_dim - clip_k) served by the 8- and 16-wide selections.
 inline constexpr int kRowBf16x2SortedRanks = 16;
 
-// Quantizes one row of kHeadDim bf16 values held as pairs (element 2i in the low half of
-// row[i], 2i + 1 in the high half) with clip rank clip_k (clip_rank(); < 0: no clipping).
-// Writes the packed codes as kHeadDim / 16 little-endian words (bytes in the format's order)
-// and the fp16 metadata of each group: the bytes quantize_row() writes for the same row.
-template <int kHeadDim, int kGroup>
-OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], int clip_k,
-                                           uint32_t (&codes)[kHeadDim / 16], QuantMeta (&meta)[kHeadDim / kGroup]) {
-  using namespace bf16x2;
-  constexpr int kPairs = kHeadDim / 2;
-  constexpr int kGroups = kHeadDim / kGroup;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "a row of 256 does not fit one thread's registers");
-  static_assert(kGroup >= 32 && kGroup <= kHeadDim && kHeadDim % kGroup == 0, "supported groups");
-
-  // The row's largest magnitude (finiteness: bf16 Inf/NaN magnitudes are >= 0x7f80) and the
-  // clip threshold tau, as magnitude bits.
-  uint32_t largest = 0, tau = 0x7f80u;
-  const int rank = kHeadDim - clip_k;  // tau is the rank-th largest magnitude
+namespace bf16x2 {
+// The row's largest magnitude (finiteness: bf16 Inf/NaN magnitudes are >= 0x7f80) and its clip
+// threshold tau, the (head_dim - clip_k)-th largest magnitude (0x7f80, +Inf, when clip_k < 0),
+// as magnitude bits, from this thread's pairs of the row. A row split over lanes joins its
+// parts with the hooks: join_top(top) turns this thread's descending top list into the row's,
+// join_max(m) a max of magnitudes, count_both(c) a pair of half-counts (a whole row: none).
+template <int kHeadDim, int kPairs, class JoinTop, class JoinMax, class CountBoth>
+OSCAR_HOST_DEVICE void largest_and_clip(const uint32_t (&row)[kPairs], int clip_k, JoinTop join_top, JoinMax join_max,
+                                        CountBoth count_both, uint32_t& largest, uint32_t& tau) {
+  largest = 0;
+  tau = 0x7f80u;
+  const int rank = kHeadDim - clip_k;
   const auto select = [&](auto& top) {
     largest_magnitudes(row, top);
+    join_top(top);
     largest = top[0] & 0xffffu;
     tau = rank_th(top, rank);
   };
@@ -308,9 +304,28 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
     uint32_t m = 0;
     OSCAR_UNROLL
     for (int i = 0; i < kPairs; ++i) m = max_u16(m, row[i] & kMagnitudes);
+    m = join_max(m);
     largest = max_u16(m, m >> 16) & 0xffffu;
-    if (clip_k >= 0 && largest < 0x7f80u) tau = magnitude_by_search(row, clip_k, [](uint32_t c) { return c; });
+    if (clip_k >= 0 && largest < 0x7f80u) tau = magnitude_by_search(row, clip_k, count_both);
   }
+}
+}  // namespace bf16x2
+
+// Quantizes one row of kHeadDim bf16 values held as pairs (element 2i in the low half of
+// row[i], 2i + 1 in the high half) with clip rank clip_k (clip_rank(); < 0: no clipping).
+// Writes the packed codes as kHeadDim / 16 little-endian words (bytes in the format's order)
+// and the fp16 metadata of each group: the bytes quantize_row() writes for the same row.
+template <int kHeadDim, int kGroup>
+OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], int clip_k,
+                                           uint32_t (&codes)[kHeadDim / 16], QuantMeta (&meta)[kHeadDim / kGroup]) {
+  using namespace bf16x2;
+  constexpr int kGroups = kHeadDim / kGroup;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "a row of 256 does not fit one thread's registers");
+  static_assert(kGroup >= 32 && kGroup <= kHeadDim && kHeadDim % kGroup == 0, "supported groups");
+
+  uint32_t largest, tau;
+  const auto same = [](uint32_t v) { return v; };
+  largest_and_clip<kHeadDim>(row, clip_k, [](auto&) {}, same, same, largest, tau);
   const bool finite = largest < 0x7f80u;
   if (!finite) {
     // NaN metadata and zero codes in every group, as quantize_row stores a non-finite row.
@@ -383,36 +398,19 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
   const unsigned pair_mask = 0x10001u << (lane % 16);
   const auto partner = [pair_mask](uint32_t v) { return __shfl_xor_sync(pair_mask, v, 16); };
 
-  uint32_t largest = 0, tau = 0x7f80u;
-  const int rank = kHeadDim - clip_k;
-  const auto select = [&](auto& top) {
+  // The row's top list: this half's against the partner's reversed, merged.
+  const auto join_top = [&](auto& top) {
     constexpr int N = std::extent_v<std::remove_reference_t<decltype(top)>>;
-    largest_magnitudes(half, top);
     uint32_t other[N];
     OSCAR_UNROLL
     for (int i = 0; i < N; ++i) other[i] = partner(top[i]);
     OSCAR_UNROLL
     for (int i = 0; i < N; ++i) top[i] = max_u16(top[i], other[N - 1 - i]);
     merge_descending(top);
-    largest = top[0] & 0xffffu;
-    tau = rank_th(top, rank);
   };
-  if (clip_k >= 0 && rank <= 8) {
-    uint32_t top[8];
-    select(top);
-  } else if (clip_k >= 0 && rank <= kRowBf16x2SortedRanks) {
-    uint32_t top[16];
-    select(top);
-  } else {
-    uint32_t m = 0;
-    OSCAR_UNROLL
-    for (int i = 0; i < kPairs; ++i) m = max_u16(m, half[i] & kMagnitudes);
-    m = max_u16(m, partner(m));
-    largest = max_u16(m, m >> 16) & 0xffffu;
-    if (clip_k >= 0 && largest < 0x7f80u) {
-      tau = magnitude_by_search(half, clip_k, [&](uint32_t c) { return c + partner(c); });
-    }
-  }
+  uint32_t largest, tau;
+  largest_and_clip<kHeadDim>(half, clip_k, join_top, [&](uint32_t m) { return max_u16(m, partner(m)); },
+                             [&](uint32_t c) { return c + partner(c); }, largest, tau);
   if (largest >= 0x7f80u) {  // a NaN or Inf anywhere in the row
     const GroupQuantizer q = make_group_quantizer(0.0f, 0.0f, false);
     OSCAR_UNROLL
