@@ -23,8 +23,6 @@ using ptx::cp_async16;
 using ptx::cp_async16_if;
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
-using ptx::ldmatrix_x4;
-using ptx::ldmatrix_x4_trans;
 using ptx::lds_u16;
 using ptx::lds_u32;
 using ptx::lds_v2;
@@ -71,10 +69,20 @@ OSCAR_DEVICE void bf16x8_to_float(uint4 raw, float (&v)[8]) {
   }
 }
 
+// Codes of field k (bits 2k..2k+1 of bytes 0 and 2 of w) as two exact fp16 values 0..3.
+template <int k>
+OSCAR_DEVICE uint32_t unpack_field(uint32_t w) {
+  uint32_t magic;  // (w & mask) | 0x64006400: fp16 1024 + 4^k·c in each half
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(magic) : "r"(w), "r"(0x00030003u << (2 * k)), "r"(0x64006400u));
+  constexpr float inv = 1.0f / float(1 << (2 * k));
+  const __half2 scale = __float2half2_rn(inv);            // exact: a power of two
+  const __half2 bias = __float2half2_rn(-1024.0f * inv);  // exact
+  return half2_bits(__hfma2(bits_half2(magic), scale, bias));  // exact: the result is c
+}
+
 // Codes of field k as two fp16 values 1024 + 4^k·c, exact, in one LOP3: the key MMAs take
 // them as they are, with q prescaled by 4^-k and the 1024·Σq' they add removed through the
-// accumulator's initial value (int2_tile), which saves an HFMA2 per pair that exact codes c
-// would cost.
+// accumulator's initial value (int2_tile), which saves the HFMA2 of unpack_field.
 template <int k>
 OSCAR_DEVICE uint32_t unpack_field_biased(uint32_t w) {
   uint32_t magic;
@@ -93,12 +101,6 @@ OSCAR_DEVICE uint32_t unpack_field_subnormal(uint32_t w) {
 
 // Code field k of value register i (value_channel: register i holds field i % 4).
 OSCAR_HOST_DEVICE constexpr int value_field(int i) { return i % 4; }
-
-// The unit of value accumulator registers of code field k while a block reads INT2 values:
-// the INT2 value codes enter the MMA as fp16 subnormals 4^k·c·2^-24 (unpack_field_subnormal:
-// one AND per two codes, no bias), so the accumulators hold o·4^k·2^-24 until they are scaled
-// back, once per warp after its tiles.
-OSCAR_HOST_DEVICE constexpr float value_field_unit(int k) { return float(1 << (2 * k)) / float(1 << 24); }
 
 // 2^x on the SFU, subnormal results flushed to 0 (exp2f adds a range reduction for them,
 // ~6 instructions per call; a probability below 2^-126 of the running max adds nothing).
@@ -249,8 +251,7 @@ OSCAR_DEVICE void chunk_merge_weights(float* w, float* lse, int chunks, int tid,
 // A lane (r, j) holds the values of tokens 2j, 2j+1 (pair 0) and 2j+8, 2j+9 (pair 1) of a
 // 16-token tile, channels value_channel(r, ·). Its registers c01[i] / c89[i] hold two tokens'
 // value at one channel: the A fragments of Vᵀ in the decode kernel, the B fragments of V in
-// the extend kernel's BF16 tiles, register for register (its INT2 values are unpacked into
-// shared memory in the same channel order, ExtendUnpacked).
+// the extend kernel, register for register.
 
 // 32-bit words of codes one lane reads per token: key bytes [j·D/16, (j+1)·D/16) and value
 // bytes [r·D/32, (r+1)·D/32) (2 bytes at D = 64, read as one 16-bit load).
@@ -261,10 +262,20 @@ struct LaneCodeWords {
   static constexpr int kVWords = kVBytes >= 4 ? kVBytes / 4 : 1;
 };
 
-// INT2 values: registers u·8 .. u·8+7 (unit u of D/64) as unpack_field_subnormal's
-// 4^k·c·2^-24, from the value bytes vw[token] of tokens 2j, 2j+1, 2j+8, 2j+9 (one PRMT
-// interleaves two tokens' bytes).
-template <int D>
+// INT2 values: registers u·8 .. u·8+7 (unit u of D/64) as exact fp16 codes, from the value
+// bytes vw[token] of tokens 2j, 2j+1, 2j+8, 2j+9 (one PRMT interleaves two tokens' bytes).
+// kSubnormal: the codes as unpack_field_subnormal's 4^k·c·2^-24 (the decode kernel), else as
+// exact fp16 values c (the extend kernel).
+template <int k, bool kSubnormal>
+OSCAR_DEVICE uint32_t unpack_value_field(uint32_t w) {
+  if constexpr (kSubnormal) {
+    return unpack_field_subnormal<k>(w);
+  } else {
+    return unpack_field<k>(w);
+  }
+}
+
+template <int D, bool kSubnormal = false>
 OSCAR_DEVICE void int2_value_codes(const uint32_t (&vw)[4][LaneCodeWords<D>::kVWords], int u, uint32_t (&c01)[8],
                                    uint32_t (&c89)[8]) {
   uint32_t x[2];
@@ -279,14 +290,15 @@ OSCAR_DEVICE void int2_value_codes(const uint32_t (&vw)[4][LaneCodeWords<D>::kVW
     }
   }
   const uint32_t xlo0 = x[0], xhi0 = x[0] >> 8, xlo1 = x[1], xhi1 = x[1] >> 8;
-  c01[0] = unpack_field_subnormal<0>(xlo0); c01[1] = unpack_field_subnormal<1>(xlo0);
-  c01[2] = unpack_field_subnormal<2>(xlo0); c01[3] = unpack_field_subnormal<3>(xlo0);
-  c01[4] = unpack_field_subnormal<0>(xhi0); c01[5] = unpack_field_subnormal<1>(xhi0);
-  c01[6] = unpack_field_subnormal<2>(xhi0); c01[7] = unpack_field_subnormal<3>(xhi0);
-  c89[0] = unpack_field_subnormal<0>(xlo1); c89[1] = unpack_field_subnormal<1>(xlo1);
-  c89[2] = unpack_field_subnormal<2>(xlo1); c89[3] = unpack_field_subnormal<3>(xlo1);
-  c89[4] = unpack_field_subnormal<0>(xhi1); c89[5] = unpack_field_subnormal<1>(xhi1);
-  c89[6] = unpack_field_subnormal<2>(xhi1); c89[7] = unpack_field_subnormal<3>(xhi1);
+  constexpr bool S = kSubnormal;
+  c01[0] = unpack_value_field<0, S>(xlo0); c01[1] = unpack_value_field<1, S>(xlo0);
+  c01[2] = unpack_value_field<2, S>(xlo0); c01[3] = unpack_value_field<3, S>(xlo0);
+  c01[4] = unpack_value_field<0, S>(xhi0); c01[5] = unpack_value_field<1, S>(xhi0);
+  c01[6] = unpack_value_field<2, S>(xhi0); c01[7] = unpack_value_field<3, S>(xhi0);
+  c89[0] = unpack_value_field<0, S>(xlo1); c89[1] = unpack_value_field<1, S>(xlo1);
+  c89[2] = unpack_value_field<2, S>(xlo1); c89[3] = unpack_value_field<3, S>(xlo1);
+  c89[4] = unpack_value_field<0, S>(xhi1); c89[5] = unpack_value_field<1, S>(xhi1);
+  c89[6] = unpack_value_field<2, S>(xhi1); c89[7] = unpack_value_field<3, S>(xhi1);
 }
 
 // BF16 values: the lane's channels of tokens 2j, 2j+1, 2j+8, 2j+9 of a tile (zero past

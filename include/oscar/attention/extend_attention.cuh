@@ -9,16 +9,14 @@
 // staged key tile, so a tile's codes are read once per 64 rows and unpacked once per 16.
 //
 // - Scores: S[16 rows x 16 keys] = q·K^T, 2 n-tiles of 8 keys. INT2 keys enter as the B
-//   operand as 1024 + 4^k·c against q·4^-k (as in the decode kernel; the channel order of the
-//   unpacked rows is folded into q's A fragment), then s·(q·c) + offset·Σq.
+//   operand straight from their codes (1024 + 4^k·c against q·4^-k, as in the decode kernel;
+//   the channel order each lane reads is folded into q's A fragment), then s·(q·c) + offset·Σq.
 // - Values: O[16 rows x D] += P'·C with P' = p·scale per key (the S accumulator is already the
-//   A fragment of P, no transpose) and C the value codes as fp16 subnormals 4^k·c·2^-24 (o is
-//   scaled back after the INT2 loop); Σ p·offset per row is a running scalar. BF16
-//   sink/window tiles use the same accumulators (bf16 MMAs, q as bf16 hi + lo); they run
-//   first, so that the INT2 loop can reuse the space of the float q rows.
-// - The INT2 tiles are staged once per block through a cp.async ring, and each stage is
-//   unpacked once per block into fp16 operands in shared memory, which the 4 warps read with
-//   ldmatrix (ExtendUnpacked).
+//   A fragment of P, no transpose) and C the value codes as exact fp16 0..3, whose B fragments
+//   are the decode kernel's A fragments of V^T register for register; Σ p·offset per row is
+//   a running scalar. BF16 sink/window tiles use the same accumulators (bf16 MMAs, q as bf16
+//   hi + lo).
+// - The INT2 tiles are staged once per block through a cp.async ring shared by its 4 warps.
 // - Every block writes its rows' partial (o, lse) to the workspace; extend_merge_kernel then
 //   merges a request's chunks exactly, un-rotates by R_Vᵀ and writes bf16 (two launches, no
 //   arrival counters). q is rotated by R_K once per query row by rotate_queries_kernel, not
@@ -161,142 +159,30 @@ OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[2][4], bool mask,
   }
 }
 
-// ---- INT2 tiles unpacked once per block ------------------------------------------------------
-// After a stage lands, the block's 128 threads turn its codes into fp16 MMA operands in shared
-// memory once (unpack_extend_stage), and every warp reads its B fragments from there with
-// ldmatrix: a warp used to unpack every tile for its own 16 rows, 4x per block (~100 of its
-// ~370 instructions per tile, docs/benchmarks.md).
-//
-// Key row (position p of D fp16): 1024 + 4^k·c of channel unpacked_key_channel(p), as
-// unpack_field_biased makes them (q's A fragment is prescaled by 4^-k and permuted to match;
-// the 1024·Σq' they add starts the accumulator). Value row: position 8·nt + n holds channel
-// value_channel(n, nt) as the fp16 subnormal 4^k·c·2^-24 (k = value_field(nt)), so value
-// n-tile nt of the MMA is output n-tile nt of the BF16 tiles and the block's o registers
-// keep one channel order. The 16-byte chunks of a row are XOR-swizzled by key % 8, so the 8
-// rows of an ldmatrix matrix and the unpack's 8 stores per phase hit distinct banks.
-// The buffers overlay the block's float q rows, which only the BF16 tiles read: those run
-// before the INT2 loop.
+// O += P'·C for the INT2 value codes of the tile (B fragments from int2_value_codes).
 template <int D>
-struct ExtendUnpacked {
-  static constexpr int kKeys = ExtendStage<D>::kKeys;
-  static constexpr int kRowBytes = 2 * D;
-  static constexpr int kChunks = kRowBytes / 16;
-  static constexpr int kK = 0;
-  static constexpr int kV = kKeys * kRowBytes;
-  static constexpr int kBytes = 2 * kV;
-  static_assert(kChunks >= 8, "the XOR swizzle spans 8 chunks");
-  static_assert(kExtendThreads == 2 * kKeys, "two threads unpack each key's row");
-  OSCAR_HOST_DEVICE static constexpr uint32_t chunk(int key, int c) { return key * kRowBytes + 16 * (c ^ (key & 7)); }
-};
-
-// The channel of position p of an unpacked key row: code word w's field k (bytes b = 4w..4w+3,
-// channels b + k·D/4 ...) lands at positions k·D/4 + b .. + 3 as the channels b, b+2, b+1, b+3
-// (+ k·D/4) that unpack_field_biased of w and w >> 8 give.
-template <int D>
-OSCAR_HOST_DEVICE constexpr int unpacked_key_channel(int p) {
-  const int quarter = p / (D / 4), rem = p % (D / 4);
-  return quarter * (D / 4) + (rem & ~3) + ((rem & 1) << 1) + ((rem >> 1) & 1);
-}
-
-// Byte of a value row that holds channel value_channel(n, nt) (in its field value_field(nt)).
-template <int D>
-OSCAR_HOST_DEVICE constexpr int value_byte(int n, int nt) {
-  return n * (D / 32) + 2 * (nt / 8) + (nt % 8) / 4;
-}
-
-// The value n-tiles [kPart·D/16, (kPart+1)·D/16) of one key's row (its D/16 code words), a
-// 16-byte chunk (n = 0..7) each: per pair of columns one PRMT on a constant selector (byte
-// value_byte(n) in the low half, value_byte(n + 1) in the high half), shared by the 4 fields,
-// then one AND per field (unpack_field_subnormal).
-template <int D, int kPart>
-OSCAR_DEVICE void unpack_value_row(const uint32_t (&row)[D / 16], uint32_t values, int key) {
-  using U = ExtendUnpacked<D>;
+OSCAR_DEVICE void int2_values(RowState<D>& st, const uint32_t (&pa)[4], const uint32_t (&vw)[4][LaneCodeWords<D>::kVWords]) {
 #pragma unroll
-  for (int i = 0; i < D / 16; ++i) {
-    const int nt = kPart * (D / 16) + i;
-    uint32_t pair[4];
+  for (int u = 0; u < D / 64; ++u) {
+    uint32_t c01[8], c89[8];
+    int2_value_codes<D>(vw, u, c01, c89);
 #pragma unroll
-    for (int n = 0; n < 8; n += 2) {
-      const int b0 = value_byte<D>(n, nt), b1 = value_byte<D>(n + 1, nt);
-      const uint32_t bytes = __byte_perm(row[b0 / 4], row[b1 / 4], (b0 % 4) | ((4 + b1 % 4) << 8));
-      pair[n / 2] = bytes & (0x00030003u << (2 * value_field(nt)));  // unpack_field_subnormal
-    }
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(values + U::chunk(key, nt)),
-                 "r"(pair[0]), "r"(pair[1]), "r"(pair[2]), "r"(pair[3])
-                 : "memory");
+    for (int idx = 0; idx < 8; ++idx) mma_f16(st.o[u * 8 + idx], pa, c01[idx], c89[idx]);
   }
 }
 
-// Every thread of the block: its half of one key's K row and its half of the n-tiles of the
-// key's V row, from the staged codes of a stage to the unpacked operands.
-template <int D>
-OSCAR_DEVICE void unpack_extend_stage(const unsigned char* stage, uint32_t unpacked, int tid) {
-  using S = ExtendStage<D>;
-  using U = ExtendUnpacked<D>;
-  constexpr int kWords = D / 16;  // 32-bit code words per row
-  const int key = tid % U::kKeys, part = tid / U::kKeys;  // part: warp-uniform
-  {
-    // Keys: words [part·kWords/2, ...), two words per 16-byte chunk of each field.
-    constexpr int kHalf = kWords / 2;
-    uint32_t w[kHalf];
-    load_words<false>(stage + key * S::kRowBytes + part * 4 * kHalf, w);
-#pragma unroll
-    for (int m = 0; m < kHalf / 2; ++m) {
-      const uint32_t lo0 = w[2 * m], hi0 = w[2 * m] >> 8, lo1 = w[2 * m + 1], hi1 = w[2 * m + 1] >> 8;
-      const int b = 4 * (part * kHalf + 2 * m);  // the pair's first byte
-      const uint32_t words[4][4] = {
-          {unpack_field_biased<0>(lo0), unpack_field_biased<0>(hi0), unpack_field_biased<0>(lo1), unpack_field_biased<0>(hi1)},
-          {unpack_field_biased<1>(lo0), unpack_field_biased<1>(hi0), unpack_field_biased<1>(lo1), unpack_field_biased<1>(hi1)},
-          {unpack_field_biased<2>(lo0), unpack_field_biased<2>(hi0), unpack_field_biased<2>(lo1), unpack_field_biased<2>(hi1)},
-          {unpack_field_biased<3>(lo0), unpack_field_biased<3>(hi0), unpack_field_biased<3>(lo1), unpack_field_biased<3>(hi1)}};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t addr = unpacked + U::kK + U::chunk(key, (k * (D / 4) + b) / 8);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(words[k][0]), "r"(words[k][1]),
-                     "r"(words[k][2]), "r"(words[k][3])
-                     : "memory");
-      }
-    }
-  }
-  {
-    uint32_t row[kWords];
-#pragma unroll
-    for (int i = 0; i < kWords / 4; ++i) {
-      const uint4 quad = *reinterpret_cast<const uint4*>(stage + S::kVCodes + key * S::kRowBytes + 16 * i);
-      row[4 * i] = quad.x, row[4 * i + 1] = quad.y, row[4 * i + 2] = quad.z, row[4 * i + 3] = quad.w;
-    }
-    if (part == 0) {
-      unpack_value_row<D, 0>(row, unpacked + U::kV, key);
-    } else {
-      unpack_value_row<D, 1>(row, unpacked + U::kV, key);
-    }
-  }
-}
-
-// The block's o registers between the units of BF16 tiles (one) and of the unpacked INT2
-// values (n-tile nt: value_field_unit(value_field(nt))): scaled into the latter before the INT2
-// loop and back after it. Powers of two, exact.
-template <int D>
-OSCAR_DEVICE void scale_value_units(RowState<D>& st, bool into_int2_units) {
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    const float unit = value_field_unit(value_field(nt));
-    const float f = into_int2_units ? unit : 1.0f / unit;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) st.o[nt][c] *= f;
-  }
-}
-
-// One unpacked INT2 tile (16 keys at key offset kb of the stage) for this warp's 16 rows: the
-// key and value B fragments by ldmatrix from `unpacked`, the metadata from the staged codes.
+// One staged INT2 tile (16 keys at key offset kb of the stage) for this warp's 16 rows.
 template <int D>
 OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint4* qa, const float (&qsum)[2],
-                                   const float (&key_bias)[2], const unsigned char* stage, uint32_t unpacked, int kb,
-                                   bool mask, int32_t first_key, int valid, const int32_t (&q_pos)[2], float scale2,
-                                   int lane) {
+                                   const float (&key_bias)[2], const unsigned char* stage, int kb, bool mask,
+                                   int32_t first_key, int valid, const int32_t (&q_pos)[2], float scale2, int lane) {
   using S = ExtendStage<D>;
-  using U = ExtendUnpacked<D>;
-  const int j = lane % 4, mi = lane / 8, row8 = lane % 8;
+  using Raw = LaneCodeWords<D>;
+  const int r = lane / 4, j = lane % 4;
+  // Key rows r (n-tile 0) and r + 8 (n-tile 1): the bytes [j·D/16, (j+1)·D/16) of each.
+  uint32_t kw[2][Raw::kKWords];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) load_words<false>(stage + (kb + 8 * n + r) * S::kRowBytes + j * (D / 16), kw[n]);
   // Metadata of this lane's score columns: keys 8n + 2j, 8n + 2j + 1.
   uint2 kmeta[2], vmeta[2];
 #pragma unroll
@@ -304,11 +190,22 @@ OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint4* qa, const float
     kmeta[n] = *reinterpret_cast<const uint2*>(stage + S::kKMeta + 4 * (kb + 8 * n + 2 * j));
     vmeta[n] = *reinterpret_cast<const uint2*>(stage + S::kVMeta + 4 * (kb + 8 * n + 2 * j));
   }
-  // Scores. ldmatrix matrix mi = lane / 8 of k-step s: keys kb + 8(mi/2) + 0..7, chunk 2s + mi%2,
-  // so registers {0, 1} are n-tile 0's B fragment and {2, 3} n-tile 1's. Four accumulators
-  // (n-tile x even/odd k-step): no chain is longer than D/32 MMAs.
-  const uint32_t krow = unpacked + U::kK + (kb + 8 * (mi / 2) + row8) * U::kRowBytes;
-  const int kx = (mi % 2) ^ row8;  // chunk 2s + mi%2 swizzled by the key's row8: 2s ^ kx
+  // Value codes of tokens 2j, 2j+1, 2j+8, 2j+9, bytes [r·D/32, (r+1)·D/32).
+  uint32_t vw[4][Raw::kVWords];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const unsigned char* p = stage + S::kVCodes + (kb + 8 * half + 2 * j + t) * S::kRowBytes + r * Raw::kVBytes;
+      if constexpr (Raw::kVBytes == 2) {
+        vw[2 * half + t][0] = *reinterpret_cast<const unsigned short*>(p);
+      } else {
+        load_words<false>(p, vw[2 * half + t]);
+      }
+    }
+  }
+
+  // Scores: four accumulators (n-tile x even/odd k-step), so no chain is longer than D/32 MMAs.
   float acc[2][4], acc_odd[2][4];
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
@@ -317,14 +214,18 @@ OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint4* qa, const float
     acc_odd[n][0] = acc_odd[n][1] = acc_odd[n][2] = acc_odd[n][3] = 0.0f;
   }
 #pragma unroll
-  for (int s = 0; s < D / 16; ++s) {
-    uint32_t b[4];
-    ldmatrix_x4(b, krow + 16 * ((2 * s) ^ kx));
-    const uint4 qv = qa[s * 32];
-    const uint32_t a[4] = {qv.x, qv.y, qv.z, qv.w};
-    float(&chain)[2][4] = s % 2 ? acc_odd : acc;
-    mma_f16(chain[0], a, b[0], b[1]);
-    mma_f16(chain[1], a, b[2], b[3]);
+  for (int wi = 0; wi < Raw::kKWords; ++wi) {
+    const uint32_t lo0 = kw[0][wi], lo1 = kw[1][wi];
+    const uint32_t hi0 = lo0 >> 8, hi1 = lo1 >> 8;
+#define OSCAR_EXTEND_KSTEP(K, ACC)                                                                    \
+  {                                                                                                   \
+    const uint4 qv = qa[(wi * 4 + K) * 32];                                                           \
+    const uint32_t a[4] = {qv.x, qv.y, qv.z, qv.w};                                                   \
+    mma_f16(ACC[0], a, unpack_field_biased<K>(lo0), unpack_field_biased<K>(hi0));                     \
+    mma_f16(ACC[1], a, unpack_field_biased<K>(lo1), unpack_field_biased<K>(hi1));                     \
+  }
+    OSCAR_EXTEND_KSTEP(0, acc) OSCAR_EXTEND_KSTEP(1, acc_odd) OSCAR_EXTEND_KSTEP(2, acc) OSCAR_EXTEND_KSTEP(3, acc_odd)
+#undef OSCAR_EXTEND_KSTEP
   }
   float s[2][4];
   float sv[2][2], ov[2][2];
@@ -354,17 +255,7 @@ OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint4* qa, const float
                           pack_half2(s[0][2] * sv[0][0], s[0][3] * sv[0][1]),
                           pack_half2(s[1][0] * sv[1][0], s[1][1] * sv[1][1]),
                           pack_half2(s[1][2] * sv[1][0], s[1][3] * sv[1][1])};
-  // Values, transposed by ldmatrix: matrix mi of n-tile pair u: keys kb + 8(mi%2) + 0..7,
-  // chunk 2u + mi/2, so registers {0, 1} are n-tile 2u's B fragment and {2, 3} n-tile 2u+1's.
-  const uint32_t vrow = unpacked + U::kV + (kb + 8 * (mi % 2) + row8) * U::kRowBytes;
-  const int vx = (mi / 2) ^ row8;
-#pragma unroll
-  for (int u = 0; u < D / 16; ++u) {
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, vrow + 16 * ((2 * u) ^ vx));
-    mma_f16(st.o[2 * u], pa, b[0], b[1]);
-    mma_f16(st.o[2 * u + 1], pa, b[2], b[3]);
-  }
+  int2_values<D>(st, pa, vw);
 }
 
 // The bf16 hi + lo A fragments of k-step s of rows qr0 (r) and qr1 (r + 8): channels ch, ch+1
@@ -542,22 +433,20 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   }
   __syncthreads();
 
-  // 2. This lane's A fragments of rows r and r + 8 of its warp for INT2 keys: fp16, k-step s
-  // over positions 16s .. 16s + 15 of the unpacked key rows (channels unpacked_key_channel), x
-  // 4^-k for their code field k (one per k-step: a quarter of the row is 16-aligned). BF16
-  // tiles build theirs from the float rows.
+  // 2. This lane's A fragments of rows r and r + 8 of its warp for INT2 keys: fp16, x 4^-k for
+  // code field k, channels in the order the lane's key bytes hold them (BF16 tiles build
+  // theirs from the float rows).
   const float* qr0 = q_rows + (16 * group + r) * D;
   const float* qr1 = qr0 + 8 * D;
   uint4* qa = reinterpret_cast<uint4*>(smem + L::q_f16) + warp * (D / 16) * 32 + lane;
   float bias_part[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
-    const float inv = 1.0f / float(1 << (2 * (16 * s / (D / 4))));  // exact scaling
-    const int p0 = 16 * s + 2 * j, p1 = p0 + 8;                      // positions of a0/a1 and a2/a3
-    auto pair = [&](const float* q, int p) {
-      return pack_half2(q[unpacked_key_channel<D>(p)] * inv, q[unpacked_key_channel<D>(p + 1)] * inv);
-    };
-    const uint32_t a[4] = {pair(qr0, p0), pair(qr1, p0), pair(qr0, p1), pair(qr1, p1)};
+    const int wi = s / 4, k = s % 4;
+    const int ch = j * (D / 16) + 4 * wi + k * (D / 4);
+    const float inv = 1.0f / float(1 << (2 * k));  // exact scaling
+    const uint32_t a[4] = {pack_half2(qr0[ch + 0] * inv, qr0[ch + 2] * inv), pack_half2(qr1[ch + 0] * inv, qr1[ch + 2] * inv),
+                           pack_half2(qr0[ch + 1] * inv, qr0[ch + 3] * inv), pack_half2(qr1[ch + 1] * inv, qr1[ch + 3] * inv)};
     qa[s * 32] = make_uint4(a[0], a[1], a[2], a[3]);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -613,68 +502,47 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     }
   };
 
-  // 3. The chunk's first INT2 stages are issued, then the sink and window tiles run (their
-  // DRAM latency under the copies'), then the INT2 pages, staged and unpacked once for the
-  // whole block into the q rows' space, which the BF16 tiles no longer need.
-  // (The stage loop's values are computed again after the BF16 tiles: kept live through
-  // them, they made the kernel spill.)
-  auto int2_plan = [&](int32_t& begin, int32_t& end, int32_t& limit, int32_t& groups) {
-    chunk_tile_range(item, body, sink_tiles, begin, end);
-    limit = min(end * kAttentionTileTokens, body.tokens);
-    groups = (end - begin + kExtendStageTiles - 1) / kExtendStageTiles;
-  };
+  // 3. Sink, INT2 pages (staged for the whole block), window.
+  bf16_segment(sink, 0);
   {
-    int32_t begin, end, limit, groups;
-    int2_plan(begin, end, limit, groups);
+    int32_t begin, end;
+    chunk_tile_range(item, body, sink_tiles, begin, end);
     if (begin < end) {
       const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
+      const uint32_t stage0 = smem_address(stages);
+      const int32_t limit = min(end * kAttentionTileTokens, body.tokens);
+      const int32_t groups = (end - begin + kExtendStageTiles - 1) / kExtendStageTiles;
 #pragma unroll
       for (int k = 0; k < kExtendStages - 1; ++k) {
-        issue_extend_stage<D>(smem_address(stages + k * S::kBytes), body, blocks, begin + k * kExtendStageTiles,
-                              k < groups ? limit : 0, tid);
+        issue_extend_stage<D>(stage0 + k * S::kBytes, body, blocks, begin + k * kExtendStageTiles, k < groups ? limit : 0,
+                              tid);
       }
-    }
-  }
-  bf16_segment(sink, 0);
-  bf16_segment(recent, sink_tiles + body_tiles);
-  int32_t body_begin, body_end, limit, groups;
-  int2_plan(body_begin, body_end, limit, groups);
-  if (body_begin < body_end) {
-    const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
-    const uint32_t stage0 = smem_address(stages);
-    using U = ExtendUnpacked<D>;
-    static_assert(U::kBytes <= sizeof(float) * kExtendRows * D, "the unpacked tiles overlay the q rows");
-    const uint32_t unpacked = smem_address(q_rows);
-    scale_value_units<D>(st, true);
-    for (int32_t gi = 0; gi < groups; ++gi) {
-      cp_async_wait<kExtendStages - 2>();
-      // Stage gi has landed for every thread; every warp is done with the unpacked tiles of
-      // gi - 1 (at gi = 0: with the q rows they overlay).
-      __syncthreads();
-      const int32_t next = gi + kExtendStages - 1;
-      issue_extend_stage<D>(stage0 + (next % kExtendStages) * S::kBytes, body, blocks,
-                            body_begin + next * kExtendStageTiles, next < groups ? limit : 0, tid);
-      const unsigned char* stage = stages + (gi % kExtendStages) * S::kBytes;
-      unpack_extend_stage<D>(stage, unpacked, tid);
-      __syncthreads();  // the stage's operands are unpacked
-      if (warp_active) {
+      for (int32_t gi = 0; gi < groups; ++gi) {
+        cp_async_wait<kExtendStages - 2>();
+        __syncthreads();  // stage gi has landed for every thread; every warp is done with gi - 1
+        const int32_t next = gi + kExtendStages - 1;
+        issue_extend_stage<D>(stage0 + (next % kExtendStages) * S::kBytes, body, blocks,
+                              begin + next * kExtendStageTiles, next < groups ? limit : 0, tid);
+        if (warp_active) {
+          const unsigned char* stage = stages + (gi % kExtendStages) * S::kBytes;
 #pragma unroll
-        for (int t = 0; t < kExtendStageTiles; ++t) {
-          const int32_t tile = body_begin + gi * kExtendStageTiles + t;
-          if (t % replicas == replica && tile < body_end) {
-            const int32_t t0 = tile * kAttentionTileTokens;
-            const int valid = min(body.tokens - t0, kAttentionTileTokens);
-            const int32_t first_key = body.start + t0;
-            const bool mask = valid < kAttentionTileTokens || first_key + kAttentionTileTokens - 1 > warp_min_pos;
-            extend_int2_tile<D>(st, qa, qsum, key_bias, stage, unpacked, t * kAttentionTileTokens, mask, first_key,
-                                valid, q_pos, scale2, lane);
+          for (int t = 0; t < kExtendStageTiles; ++t) {
+            const int32_t tile = begin + gi * kExtendStageTiles + t;
+            if (t % replicas == replica && tile < end) {
+              const int32_t t0 = tile * kAttentionTileTokens;
+              const int valid = min(body.tokens - t0, kAttentionTileTokens);
+              const int32_t first_key = body.start + t0;
+              const bool mask = valid < kAttentionTileTokens || first_key + kAttentionTileTokens - 1 > warp_min_pos;
+              extend_int2_tile<D>(st, qa, qsum, key_bias, stage, t * kAttentionTileTokens, mask, first_key, valid,
+                                  q_pos, scale2, lane);
+            }
           }
         }
       }
+      cp_async_wait<0>();
     }
-    cp_async_wait<0>();
-    scale_value_units<D>(st, false);
   }
+  bf16_segment(recent, sink_tiles + body_tiles);
   __syncthreads();  // every warp is done with the q rows, which now take the warps' o
 
   // 4. Each warp's unnormalized o + offset (through shared memory: its slot of the q rows)

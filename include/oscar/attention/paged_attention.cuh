@@ -103,6 +103,12 @@ inline constexpr int kCols = kAttentionTileColumns;
 // merges weigh an empty state by exp2(kNoKeyMax - m) = 0, or by 1 times its zero sums).
 inline constexpr float kNoKeyMax = -1e30f;
 
+// The unit of value accumulator registers of code field k while a block reads INT2 values:
+// the INT2 value codes enter the MMA as fp16 subnormals 4^k·c·2^-24 (unpack_field_subnormal:
+// one AND per two codes, no bias), so the accumulators hold o·4^k·2^-24 until
+// to_value_units_of_one scales them back, once per warp after its tiles.
+OSCAR_HOST_DEVICE constexpr float value_field_unit(int k) { return float(1 << (2 * k)) / float(1 << 24); }
+
 template <int D>
 OSCAR_DEVICE void to_value_units_of_one(float (&o)[D / 16][4]) {
 #pragma unroll
@@ -432,7 +438,7 @@ OSCAR_DEVICE void int2_tile_finish(WarpState<D>& st, const float (&acc)[4], cons
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
     uint32_t c01[8], c89[8];  // registers u*8 .. u*8+7 of the two token pairs
-    int2_value_codes<D>(vw, u, c01, c89);
+    int2_value_codes<D, true>(vw, u, c01, c89);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
