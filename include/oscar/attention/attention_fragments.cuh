@@ -102,6 +102,12 @@ OSCAR_DEVICE uint32_t unpack_field_subnormal(uint32_t w) {
 // Code field k of value register i (value_channel: register i holds field i % 4).
 OSCAR_HOST_DEVICE constexpr int value_field(int i) { return i % 4; }
 
+// The unit of value accumulator registers of code field k while a block reads INT2 values:
+// the INT2 value codes enter the MMA as fp16 subnormals 4^k·c·2^-24 (unpack_field_subnormal:
+// one AND per two codes, no bias), so the accumulators hold o·4^k·2^-24 until they are scaled
+// back, once per warp after its tiles.
+OSCAR_HOST_DEVICE constexpr float value_field_unit(int k) { return float(1 << (2 * k)) / float(1 << 24); }
+
 // 2^x on the SFU, subnormal results flushed to 0 (exp2f adds a range reduction for them,
 // ~6 instructions per call; a probability below 2^-126 of the running max adds nothing).
 OSCAR_DEVICE float fast_exp2(float x) {

@@ -32,6 +32,7 @@
 #include "oscar/attention/attention_fragments.cuh"
 #include "oscar/attention/attention_plan.hpp"
 #include "oscar/attention/paged_attention_params.hpp"
+#include "oscar/core/wgmma.cuh"
 #include "oscar/kv/paged_kv.hpp"
 
 namespace oscar {
@@ -45,11 +46,16 @@ static_assert(kExtendRows == 16 * kExtendWarps);
 // same rows (replicas, below) each get a tile of every stage.
 inline constexpr int kExtendStageTiles = 4;
 inline constexpr int kExtendStages = 4;
-// Resident blocks per SM the registers must leave room for: 3 x 4 warps at d = 128 (168
-// registers, q in shared memory); 2 left 8 warps per SM, too few to hide the dependent
-// unpack -> MMA -> softmax chain (H200: 4.6 cycles per issue, docs/benchmarks.md).
+// Resident blocks per SM the registers must leave room for. The mma.sync path: 3 x 4 warps at
+// d = 128 (168 registers, q in shared memory); 2 left 8 warps per SM, too few to hide the
+// dependent unpack -> MMA -> softmax chain (H200: 4.6 cycles per issue). The warpgroup path
+// (sm_90a): 2, whose 255 registers hold a stage's scores without spills (Q64 / Q256 176 / 555
+// us against 213 / 622 at 3, H100; docs/benchmarks.md). Only the device pass sees the
+// difference: plans read the kernel's occupancy from the device.
 #ifdef OSCAR_EXTEND_MIN_BLOCKS_PER_SM
 inline constexpr int kExtendMinBlocks = OSCAR_EXTEND_MIN_BLOCKS_PER_SM;
+#elif defined(OSCAR_HAS_WGMMA)
+inline constexpr int kExtendMinBlocks = 2;
 #else
 inline constexpr int kExtendMinBlocks = 3;
 #endif
@@ -101,14 +107,15 @@ struct RowState {
 };
 
 // Masks, runs the online-softmax update on this lane's scores s[n-tile][c] (c: {r, key 2j},
-// {r, 2j+1}, {r+8, 2j}, {r+8, 2j+1}) and leaves the probabilities in s. `first_key` is the
-// position of the tile's first key, `valid` the keys inside the segment.
-template <int D>
-OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[2][4], bool mask, int32_t first_key, int valid,
+// {r, 2j+1}, {r+8, 2j}, {r+8, 2j+1}; NT blocks of 8 keys: a 16-key tile, or a 64-key stage of
+// the warpgroup path) and leaves the probabilities in s. `first_key` is the position of the
+// first key, `valid` the keys inside the segment.
+template <int D, int NT = 2>
+OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[NT][4], bool mask, int32_t first_key, int valid,
                                    const int32_t (&q_pos)[2], int j) {
   if (mask) {
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+    for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int key = 8 * n + 2 * j + (c & 1);
@@ -120,7 +127,7 @@ OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[2][4], bool mask,
   constexpr float kMaxGrowth = 8.0f;
   bool grow = false;
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
+  for (int n = 0; n < NT; ++n) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) grow |= s[n][c] > st.m[c >> 1] + kMaxGrowth;
   }
@@ -128,7 +135,9 @@ OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[2][4], bool mask,
     float alpha[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float tile_max = fmaxf(fmaxf(s[0][2 * i], s[0][2 * i + 1]), fmaxf(s[1][2 * i], s[1][2 * i + 1]));
+      float tile_max = fmaxf(s[0][2 * i], s[0][2 * i + 1]);
+#pragma unroll
+      for (int n = 1; n < NT; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
       const float m_new = fmaxf(st.m[i], tile_max);
@@ -150,7 +159,7 @@ OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[2][4], bool mask,
 #pragma unroll
   for (int i = 0; i < 2; ++i) m_use[i] = st.m[i] == -INFINITY ? 0.0f : st.m[i];
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
+  for (int n = 0; n < NT; ++n) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       s[n][c] = fast_exp2(s[n][c] - m_use[c >> 1]);
@@ -378,6 +387,246 @@ OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, co
   cp_async_commit();
 }
 
+#if defined(OSCAR_HAS_WGMMA)
+// ---- the warpgroup path (sm_90a builds) --------------------------------------------------------
+// The block's 4 warps are one warpgroup: warp w owns rows 16w .. 16w + 15 (no replicas), and
+// each landed stage (64 keys) is unpacked once into fp16 operands in shared memory that one
+// wgmma per k-step reads for all four warps (the mma.sync path re-unpacks every tile per
+// warp; operands read per warp with ldmatrix were bound by shared-memory bandwidth instead,
+// docs/benchmarks.md). Per stage: S[64 rows x 64 keys] = q'·K'^T (m64n64k16, both operands in
+// shared memory), the online softmax on S in registers, O += P'·V (m64nDk16, P' from
+// registers, V^T in shared memory).
+//
+// Operand layouts (no-swizzle K-major core matrices, wgmma.cuh): element (row, k) of an
+// operand at (row / 8)·stride + (k / 8)·128 + (row % 8)·16 + (k % 8)·2.
+// - q' (A, in q_f16's space): row = query row, k = position p of unpacked_key_channel's
+//   order, fp16 q·4^-k: stride D/8·128.
+// - K' (B of S, in the q rows' space): row = key, k = position p: 1024 + 4^k·c, stride D/8·128.
+// - V^T (B of O, after K'): row = position 8·nt + n (channel value_channel(n, nt), as the BF16
+//   tiles' o registers), k = key: fp16 subnormals 4^k·c·2^-24, stride 8·128 (64 keys).
+// The channel of position p of a K' row: code word w's field k (bytes b = 4w..4w+3, channels
+// b + k·D/4 ...) goes to positions k·D/4 + b .. + 3 as the channels b, b+2, b+1, b+3 (+ k·D/4)
+// that unpack_field_biased of w and w >> 8 give.
+template <int D>
+OSCAR_HOST_DEVICE constexpr int unpacked_key_channel(int p) {
+  const int quarter = p / (D / 4), rem = p % (D / 4);
+  return quarter * (D / 4) + (rem & ~3) + ((rem & 1) << 1) + ((rem >> 1) & 1);
+}
+
+// The byte of a value row that holds channel value_channel(n, nt), in field value_field(nt).
+template <int D>
+OSCAR_HOST_DEVICE constexpr int value_byte(int n, int nt) {
+  return n * (D / 32) + 2 * (nt / 8) + (nt % 8) / 4;
+}
+
+// The block's o registers between the units of the BF16 tiles (one) and of the INT2 values
+// (n-tile nt: value_field_unit(value_field(nt))): scaled into the latter before the INT2
+// stages and back after them. Powers of two, exact.
+template <int D>
+OSCAR_DEVICE void scale_value_units(RowState<D>& st, bool into_int2_units) {
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const float unit = value_field_unit(value_field(nt));
+    const float f = into_int2_units ? unit : 1.0f / unit;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) st.o[nt][c] *= f;
+  }
+}
+
+template <int D>
+struct ExtendWgmma {
+  static constexpr uint32_t kRowGroupBytes = D / 8 * 128;  // q' and K': 8 rows
+  static constexpr uint32_t kKeys = ExtendStage<D>::kKeys;
+  static constexpr uint32_t kK = 0;
+  static constexpr uint32_t kV = kKeys / 8 * kRowGroupBytes;
+  static constexpr uint32_t kVRowGroupBytes = kKeys / 8 * 128;
+  static constexpr uint32_t kBytes = kV + D / 8 * kVRowGroupBytes;
+  static_assert(kBytes <= sizeof(float) * kExtendRows * D, "K' and V^T overlay the float q rows");
+  static_assert(kExtendRows * D * 2 <= sizeof(uint4) * kExtendWarps * (D / 16) * 32, "q' fits q_f16's space");
+  static_assert(kExtendThreads == 2 * kKeys && kExtendWarps == 4, "one warpgroup; two threads per key");
+  OSCAR_HOST_DEVICE static constexpr uint32_t chunk(uint32_t row_group_bytes, int row, int k8) {
+    return (row / 8) * row_group_bytes + k8 * 128 + (row % 8) * 16;
+  }
+};
+
+// q' of the block's 64 rows into the A operand (every thread), and this lane's key_bias
+// (1024·Σ q' of its rows r and r + 8 of warp w, over the fp16 values the MMA multiplies) and
+// qsum (Σ q).
+template <int D>
+OSCAR_DEVICE void write_query_operand(const float* q_rows, uint32_t qa, int tid, float (&key_bias)[2], float (&qsum)[2]) {
+  using W = ExtendWgmma<D>;
+  for (int idx = tid; idx < kExtendRows * (D / 8); idx += kExtendThreads) {
+    const int row = idx / (D / 8), c = idx % (D / 8);
+    const float* q = q_rows + row * D;
+    const float inv = 1.0f / float(1 << (2 * (8 * c / (D / 4))));  // one code field per 8 positions
+    uint32_t h[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      h[e] = pack_half2(q[unpacked_key_channel<D>(8 * c + 2 * e)] * inv, q[unpacked_key_channel<D>(8 * c + 2 * e + 1)] * inv);
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(qa + W::chunk(W::kRowGroupBytes, row, c)), "r"(h[0]),
+                 "r"(h[1]), "r"(h[2]), "r"(h[3])
+                 : "memory");
+  }
+  const int lane = tid % 32, warp = tid / 32, r = lane / 4, j = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float* q = q_rows + (16 * warp + r + 8 * i) * D;
+    float bias = 0.0f, sum = 0.0f;
+    for (int p = 2 * j; p < D; p += 8) {  // positions 8c + 2j, 8c + 2j + 1: the 4 lanes cover all
+      const float inv = 1.0f / float(1 << (2 * (p / (D / 4))));
+      const float2 h = __half22float2(bits_half2(pack_half2(q[unpacked_key_channel<D>(p)] * inv,
+                                                            q[unpacked_key_channel<D>(p + 1)] * inv)));
+      bias += h.x + h.y;
+      sum += q[unpacked_key_channel<D>(p)] + q[unpacked_key_channel<D>(p + 1)];
+    }
+    bias += __shfl_xor_sync(kFullMask, bias, 1);
+    bias += __shfl_xor_sync(kFullMask, bias, 2);
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    key_bias[i] = 1024.0f * bias;
+    qsum[i] = sum;
+  }
+}
+
+// Every thread: its half of one key's K' row and 16 rows of V^T (position n of 8 n-tiles, 8
+// keys), from the staged codes of a stage.
+template <int D, int kHalf>
+OSCAR_DEVICE void unpack_value_columns(const unsigned char* stage, uint32_t vt, int n, int kg) {
+  using S = ExtendStage<D>;
+  using W = ExtendWgmma<D>;
+  constexpr int kTiles = D / 16;  // n-tiles per half
+  // Every n-tile of this half reads the same code word of a value row (value_byte: n·D/32 plus
+  // 0..3, all inside one word for this thread's n): one load per key.
+  const int word = (value_byte<D>(n, kHalf * kTiles)) / 4;
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = *reinterpret_cast<const uint32_t*>(stage + S::kVCodes + (8 * kg + i) * S::kRowBytes + 4 * word);
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    const int nt = kHalf * kTiles + t;
+    const uint32_t byte = value_byte<D>(n, nt) % 4;
+    const uint32_t selector = byte | ((4 + byte) << 8);
+    uint32_t pair[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      pair[k] = __byte_perm(w[2 * k], w[2 * k + 1], selector) & (0x00030003u << (2 * value_field(nt)));
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(vt + W::chunk(W::kVRowGroupBytes, 8 * nt + n, kg)),
+                 "r"(pair[0]), "r"(pair[1]), "r"(pair[2]), "r"(pair[3])
+                 : "memory");
+  }
+}
+
+template <int D>
+OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t operands, int tid) {
+  using S = ExtendStage<D>;
+  using W = ExtendWgmma<D>;
+  {
+    // K': words [part·D/32, ...) of key `key`, two words per 16-byte chunk of each field.
+    constexpr int kWords = D / 32;
+    const int key = tid % int(W::kKeys), part = tid / int(W::kKeys);
+    uint32_t w[kWords];
+    load_words<false>(stage + key * S::kRowBytes + part * 4 * kWords, w);
+#pragma unroll
+    for (int m = 0; m < kWords / 2; ++m) {
+      const uint32_t lo0 = w[2 * m], hi0 = w[2 * m] >> 8, lo1 = w[2 * m + 1], hi1 = w[2 * m + 1] >> 8;
+      const int b = 4 * (part * kWords + 2 * m);  // the pair's first byte
+      const uint32_t f[4][4] = {
+          {unpack_field_biased<0>(lo0), unpack_field_biased<0>(hi0), unpack_field_biased<0>(lo1), unpack_field_biased<0>(hi1)},
+          {unpack_field_biased<1>(lo0), unpack_field_biased<1>(hi0), unpack_field_biased<1>(lo1), unpack_field_biased<1>(hi1)},
+          {unpack_field_biased<2>(lo0), unpack_field_biased<2>(hi0), unpack_field_biased<2>(lo1), unpack_field_biased<2>(hi1)},
+          {unpack_field_biased<3>(lo0), unpack_field_biased<3>(hi0), unpack_field_biased<3>(lo1), unpack_field_biased<3>(hi1)}};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t addr = operands + W::kK + W::chunk(W::kRowGroupBytes, key, (k * (D / 4) + b) / 8);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(f[k][0]), "r"(f[k][1]), "r"(f[k][2]),
+                     "r"(f[k][3])
+                     : "memory");
+      }
+    }
+  }
+  // V^T: thread (n, key group, half) writes row n of the core matrices (nt, key group) of its
+  // half of the n-tiles; the 8 threads of a store phase write one core matrix's 128 bytes.
+  const int n = tid % 8, kg = (tid / 8) % 8;
+  if (tid < kExtendThreads / 2) {
+    unpack_value_columns<D, 0>(stage, operands + W::kV, n, kg);
+  } else {
+    unpack_value_columns<D, 1>(stage, operands + W::kV, n, kg);
+  }
+}
+
+// One stage (64 keys from key offset 0 of the stage, `valid` of them inside the chunk and
+// segment) for the warpgroup's 64 rows.
+template <int D>
+OSCAR_DEVICE void extend_int2_stage(RowState<D>& st, uint64_t q_desc, uint64_t k_desc, uint64_t v_desc,
+                                    const float (&qsum)[2], const float (&key_bias)[2], const unsigned char* stage,
+                                    bool mask, int32_t first_key, int valid, const int32_t (&q_pos)[2], float scale2,
+                                    int lane) {
+  using S = ExtendStage<D>;
+  constexpr int kBlocks = ExtendStage<D>::kKeys / 8;  // 8-key blocks of S
+  const int j = lane % 4;
+  float acc[kBlocks][4];
+#pragma unroll
+  for (int i = 0; i < kBlocks; ++i) {
+    acc[i][0] = acc[i][1] = -key_bias[0];
+    acc[i][2] = acc[i][3] = -key_bias[1];
+  }
+  ptx::wgmma_fence_operands(acc);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) ptx::wgmma_m64n64k16_ss(acc, q_desc + 16 * s, k_desc + 16 * s);  // +256 bytes
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  ptx::wgmma_fence_operands(acc);
+  float sc[kBlocks][4], sv[kBlocks][2], ov[kBlocks][2];
+#pragma unroll
+  for (int i = 0; i < kBlocks; ++i) {
+    const uint2 km = *reinterpret_cast<const uint2*>(stage + S::kKMeta + 4 * (8 * i + 2 * j));
+    const uint2 vm = *reinterpret_cast<const uint2*>(stage + S::kVMeta + 4 * (8 * i + 2 * j));
+    const float2 k0 = __half22float2(bits_half2(km.x)), k1 = __half22float2(bits_half2(km.y));
+    const float2 v0 = __half22float2(bits_half2(vm.x)), v1 = __half22float2(bits_half2(vm.y));
+    const float sk[2] = {k0.x, k1.x}, ok[2] = {k0.y, k1.y};
+    sv[i][0] = v0.x;
+    sv[i][1] = v1.x;
+    ov[i][0] = v0.y;
+    ov[i][1] = v1.y;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sc[i][c] = (acc[i][c] * sk[c & 1] + ok[c & 1] * qsum[c >> 1]) * scale2;
+  }
+  row_softmax_step<D, kBlocks>(st, sc, mask, first_key, valid, q_pos, j);
+#pragma unroll
+  for (int i = 0; i < kBlocks; ++i) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) st.offset[c >> 1] += sc[i][c] * ov[i][c & 1];
+  }
+  // P' = p·scale as A fragments, 16 keys per k-step: {row r, keys 2j..}, {r+8, 2j..}, {r, 2j+8..},
+  // {r+8, 2j+8..} of blocks 2kk and 2kk + 1.
+  uint32_t pa[kBlocks / 2][4];
+#pragma unroll
+  for (int kk = 0; kk < kBlocks / 2; ++kk) {
+    const int b0 = 2 * kk, b1 = 2 * kk + 1;
+    pa[kk][0] = pack_half2(sc[b0][0] * sv[b0][0], sc[b0][1] * sv[b0][1]);
+    pa[kk][1] = pack_half2(sc[b0][2] * sv[b0][0], sc[b0][3] * sv[b0][1]);
+    pa[kk][2] = pack_half2(sc[b1][0] * sv[b1][0], sc[b1][1] * sv[b1][1]);
+    pa[kk][3] = pack_half2(sc[b1][2] * sv[b1][0], sc[b1][3] * sv[b1][1]);
+  }
+  ptx::wgmma_fence_operands(st.o);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlocks / 2; ++kk) {
+    if constexpr (D == 128) {
+      ptx::wgmma_m64n128k16_rs(st.o, pa[kk], v_desc + 16 * kk);
+    } else {
+      ptx::wgmma_m64n64k16_rs(st.o, pa[kk], v_desc + 16 * kk);
+    }
+  }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  ptx::wgmma_fence_operands(st.o);
+}
+#endif  // OSCAR_HAS_WGMMA
+
 template <int D>
 __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_attention_kernel(const ExtendArgs args) {
   using L = ExtendLayout<D>;
@@ -408,10 +657,17 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   // Warps split the block's rows into groups of 16; where there are only 1 or 2 groups (a
   // short extend, e.g. speculative verification), the warps of a group (replicas) share its
   // rows and split the tiles instead, and are merged at the end, so no warp idles.
+#if defined(OSCAR_HAS_WGMMA)
+  // The warpgroup path: warp w owns rows 16w .. 16w + 15, the A rows of its wgmma fragment.
+  constexpr int row_groups = kExtendWarps, replicas = 1;
+  const int group = warp, replica = 0;
+  const bool warp_active = row0 + 16 * warp < n_rows;  // (its INT2 work is the warpgroup's all the same)
+#else
   const int row_groups = (min(kExtendRows, n_rows - row0) + 15) / 16;
   const int replicas = row_groups <= 2 ? kExtendWarps / row_groups : 1;
   const int group = warp % row_groups, replica = warp / row_groups;
   const bool warp_active = replica < replicas;  // 3 groups: the fourth warp idles
+#endif
 
   // 1. The block's q rows (rotated once by rotate_queries_kernel, or as given), zero past the end,
   // 4 channels per load (16 bytes of rotated floats or 8 of bf16; the workspace and q are 16-byte
@@ -438,6 +694,11 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   // theirs from the float rows).
   const float* qr0 = q_rows + (16 * group + r) * D;
   const float* qr1 = qr0 + 8 * D;
+  float key_bias[2], qsum[2];
+#if defined(OSCAR_HAS_WGMMA)
+  // (The warpgroup path: q' of all 64 rows as the A operand in shared memory instead.)
+  write_query_operand<D>(q_rows, smem_address(smem + L::q_f16), tid, key_bias, qsum);
+#else
   uint4* qa = reinterpret_cast<uint4*>(smem + L::q_f16) + warp * (D / 16) * 32 + lane;
   float bias_part[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -454,7 +715,6 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
       bias_part[e & 1] += h.x + h.y;
     }
   }
-  float key_bias[2], qsum[2];
   {
     float sum[2] = {0.0f, 0.0f};
     for (int i = j; i < D; i += 4) {
@@ -471,15 +731,16 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
       qsum[i] = sum[i];
     }
   }
+  __syncwarp();  // this warp's fp16 fragments are written
+#endif
   int32_t q_pos[2];
   int32_t warp_min_pos;  // the oldest query of the warp: keys up to it need no causal mask
   {
     const int32_t gr0 = row0 + 16 * group + r, gr1 = gr0 + 8;
     q_pos[0] = gr0 < n_rows ? length - n_q + gr0 / g : INT32_MAX;
     q_pos[1] = gr1 < n_rows ? length - n_q + gr1 / g : INT32_MAX;
-    warp_min_pos = length - n_q + (row0 + 16 * group) / g;  // the group's first row exists
+    warp_min_pos = length - n_q + (row0 + 16 * group) / g;  // the group's first row (if any)
   }
-  __syncwarp();  // this warp's fp16 fragments are written
 
   RowState<D> st;
 #pragma unroll
@@ -502,6 +763,57 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     }
   };
 
+#if defined(OSCAR_HAS_WGMMA)
+  // 3. The chunk's first INT2 stages are issued, the sink and window tiles run under their
+  // copies, then the INT2 stages: each unpacked once into the operands (in the q rows' space,
+  // free once the BF16 tiles are done) and multiplied by the warpgroup.
+  {
+    int32_t begin, end;
+    chunk_tile_range(item, body, sink_tiles, begin, end);
+    const int32_t limit = min(end * kAttentionTileTokens, body.tokens);
+    const int32_t groups = (end - begin + kExtendStageTiles - 1) / kExtendStageTiles;
+    const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
+    const uint32_t stage0 = smem_address(stages);
+    if (begin < end) {
+#pragma unroll
+      for (int k = 0; k < kExtendStages - 1; ++k) {
+        issue_extend_stage<D>(stage0 + k * S::kBytes, body, blocks, begin + k * kExtendStageTiles, k < groups ? limit : 0,
+                              tid);
+      }
+    }
+    bf16_segment(sink, 0);
+    bf16_segment(recent, sink_tiles + body_tiles);
+    if (begin < end) {
+      using W = ExtendWgmma<D>;
+      const uint32_t operands = smem_address(q_rows);
+      const uint64_t q_desc = ptx::wgmma_descriptor(smem_address(smem + L::q_f16), 128, W::kRowGroupBytes);
+      const uint64_t k_desc = ptx::wgmma_descriptor(operands + W::kK, 128, W::kRowGroupBytes);
+      const uint64_t v_desc = ptx::wgmma_descriptor(operands + W::kV, 128, W::kVRowGroupBytes);
+      scale_value_units<D>(st, true);
+      for (int32_t gi = 0; gi < groups; ++gi) {
+        cp_async_wait<kExtendStages - 2>();
+        // Stage gi has landed for every thread; the warpgroup is done with the operands of
+        // gi - 1 (at gi = 0: every warp with the q rows they overlay).
+        __syncthreads();
+        const int32_t next = gi + kExtendStages - 1;
+        issue_extend_stage<D>(stage0 + (next % kExtendStages) * S::kBytes, body, blocks,
+                              begin + next * kExtendStageTiles, next < groups ? limit : 0, tid);
+        const unsigned char* stage = stages + (gi % kExtendStages) * S::kBytes;
+        unpack_stage_operands<D>(stage, operands, tid);
+        ptx::fence_proxy_async_shared();  // the stores (and q', at gi = 0) visible to wgmma
+        __syncthreads();
+        const int32_t t0 = (begin + gi * kExtendStageTiles) * kAttentionTileTokens;
+        const int valid = min(limit - t0, int(W::kKeys));
+        const int32_t first_key = body.start + t0;
+        const bool mask = valid < int(W::kKeys) || first_key + int(W::kKeys) - 1 > warp_min_pos;
+        extend_int2_stage<D>(st, q_desc, k_desc, v_desc, qsum, key_bias, stage, mask, first_key, valid, q_pos, scale2,
+                             lane);
+      }
+      cp_async_wait<0>();
+      scale_value_units<D>(st, false);
+    }
+  }
+#else
   // 3. Sink, INT2 pages (staged for the whole block), window.
   bf16_segment(sink, 0);
   {
@@ -543,6 +855,7 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     }
   }
   bf16_segment(recent, sink_tiles + body_tiles);
+#endif
   __syncthreads();  // every warp is done with the q rows, which now take the warps' o
 
   // 4. Each warp's unnormalized o + offset (through shared memory: its slot of the q rows)

@@ -103,12 +103,6 @@ inline constexpr int kCols = kAttentionTileColumns;
 // merges weigh an empty state by exp2(kNoKeyMax - m) = 0, or by 1 times its zero sums).
 inline constexpr float kNoKeyMax = -1e30f;
 
-// The unit of value accumulator registers of code field k while a block reads INT2 values:
-// the INT2 value codes enter the MMA as fp16 subnormals 4^k·c·2^-24 (unpack_field_subnormal:
-// one AND per two codes, no bias), so the accumulators hold o·4^k·2^-24 until
-// to_value_units_of_one scales them back, once per warp after its tiles.
-OSCAR_HOST_DEVICE constexpr float value_field_unit(int k) { return float(1 << (2 * k)) / float(1 << 24); }
-
 template <int D>
 OSCAR_DEVICE void to_value_units_of_one(float (&o)[D / 16][4]) {
 #pragma unroll
