@@ -150,8 +150,13 @@ struct Problem {
     }
     // OSCAR_BENCH_MIN_CHUNK_KB overrides the shortest chunk (to tune it).
     if (const int kb = env_int("OSCAR_BENCH_MIN_CHUNK_KB", 0); kb > 0) options.min_chunk_bytes = int64_t{kb} * 1024;
-    // OSCAR_BENCH_ROW_TILED=0 runs extend plans on the decode kernel's column tiles.
-    if (env_int("OSCAR_BENCH_ROW_TILED", 1) == 0) options.row_tiled_min_rows = INT32_MAX;
+    // OSCAR_BENCH_ROW_TILED=0 runs extend plans on the decode kernel's column tiles, =2 on the
+    // row-tiled kernel whatever their rows (to find the crossover).
+    if (const int rt = env_int("OSCAR_BENCH_ROW_TILED", 1); rt == 0) {
+      options.row_tiled_min_rows = INT32_MAX;
+    } else if (rt == 2) {
+      options.row_tiled_min_rows = 0;
+    }
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
@@ -286,7 +291,7 @@ int main(int argc, char** argv) {
   // Extend (chunked prefill / speculative verification): Q new tokens over a 32K quantized
   // prefix. Target: within 1.5x of the time to read the prefix (%copy >= 67). Q = 4 is a
   // speculative verification step (16 rows at g = 4); Q >= 16 fills 64-row tiles.
-  for (int queries : {4, 16, 64, 256}) {
+  for (int queries : {4, 8, 16, 64, 256}) {
     const std::string name = "extend/hq32_hkv8_d128/B1/L32768/Q" + std::to_string(queries);
     benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 1, int64_t{32768}, 32, 8, 128, 16, true, queries)
         ->UseManualTime()

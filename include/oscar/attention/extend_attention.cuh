@@ -168,6 +168,50 @@ OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[NT][4], bool mask
   }
 }
 
+// The INT2 scores of NT blocks of 8 keys, and what the values need of them, for this lane's
+// keys 2j, 2j+1 of each block: s = (q·c·s_k + offset_k·Σq)·sm_scale·log2(e), with q·c the
+// accumulated q'·(1024 + 4^k·c) less the bias it started from; each key's value scale and
+// offset. qc(n, c): the accumulated q·c of block n, element c; km / vm: the keys' fp16
+// (scale, offset) metadata words.
+template <int NT, class QC>
+OSCAR_DEVICE void int2_block_scores(QC&& qc, const uint2 (&km)[NT], const uint2 (&vm)[NT], const float (&qsum)[2],
+                                    float scale2, float (&s)[NT][4], float (&sv)[NT][2], float (&ov)[NT][2]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const float2 k0 = __half22float2(bits_half2(km[n].x)), k1 = __half22float2(bits_half2(km[n].y));
+    const float2 v0 = __half22float2(bits_half2(vm[n].x)), v1 = __half22float2(bits_half2(vm[n].y));
+    const float sk[2] = {k0.x, k1.x}, ok[2] = {k0.y, k1.y};
+    sv[n][0] = v0.x;
+    sv[n][1] = v1.x;
+    ov[n][0] = v0.y;
+    ov[n][1] = v1.y;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[n][c] = (qc(n, c) * sk[c & 1] + ok[c & 1] * qsum[c >> 1]) * scale2;
+  }
+}
+
+// After the softmax left the probabilities in s: Σ p·offset of the INT2 values into the state
+// (masked keys have p = 0 and, past the segment, zero metadata: they add nothing), and
+// P' = p·scale as the A fragments of the value MMAs, 16 keys each: {row r, keys 2j..},
+// {r+8, 2j..}, {r, 2j+8..}, {r+8, 2j+8..} of blocks 2kk and 2kk + 1.
+template <int D, int NT>
+OSCAR_DEVICE void int2_value_inputs(RowState<D>& st, const float (&s)[NT][4], const float (&sv)[NT][2],
+                                    const float (&ov)[NT][2], uint32_t (&pa)[NT / 2][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) st.offset[c >> 1] += s[n][c] * ov[n][c & 1];
+  }
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    const int b0 = 2 * kk, b1 = 2 * kk + 1;
+    pa[kk][0] = pack_half2(s[b0][0] * sv[b0][0], s[b0][1] * sv[b0][1]);
+    pa[kk][1] = pack_half2(s[b0][2] * sv[b0][0], s[b0][3] * sv[b0][1]);
+    pa[kk][2] = pack_half2(s[b1][0] * sv[b1][0], s[b1][1] * sv[b1][1]);
+    pa[kk][3] = pack_half2(s[b1][2] * sv[b1][0], s[b1][3] * sv[b1][1]);
+  }
+}
+
 // O += P'·C for the INT2 value codes of the tile (B fragments from int2_value_codes).
 template <int D>
 OSCAR_DEVICE void int2_values(RowState<D>& st, const uint32_t (&pa)[4], const uint32_t (&vw)[4][LaneCodeWords<D>::kVWords]) {
@@ -236,35 +280,12 @@ OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint4* qa, const float
     OSCAR_EXTEND_KSTEP(0, acc) OSCAR_EXTEND_KSTEP(1, acc_odd) OSCAR_EXTEND_KSTEP(2, acc) OSCAR_EXTEND_KSTEP(3, acc_odd)
 #undef OSCAR_EXTEND_KSTEP
   }
-  float s[2][4];
-  float sv[2][2], ov[2][2];
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const float2 k0 = __half22float2(bits_half2(kmeta[n].x)), k1 = __half22float2(bits_half2(kmeta[n].y));
-    const float2 v0 = __half22float2(bits_half2(vmeta[n].x)), v1 = __half22float2(bits_half2(vmeta[n].y));
-    const float sk[2] = {k0.x, k1.x}, ok[2] = {k0.y, k1.y};
-    sv[n][0] = v0.x;
-    sv[n][1] = v1.x;
-    ov[n][0] = v0.y;
-    ov[n][1] = v1.y;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      s[n][c] = ((acc[n][c] + acc_odd[n][c]) * sk[c & 1] + ok[c & 1] * qsum[c >> 1]) * scale2;
-    }
-  }
+  float s[2][4], sv[2][2], ov[2][2];
+  int2_block_scores([&](int n, int c) { return acc[n][c] + acc_odd[n][c]; }, kmeta, vmeta, qsum, scale2, s, sv, ov);
   row_softmax_step<D>(st, s, mask, first_key, valid, q_pos, j);
-  // Masked keys have p = 0 and (past the segment) zero metadata: they add nothing.
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) st.offset[c >> 1] += s[n][c] * ov[n][c & 1];
-  }
-  // P' = p·scale as the A fragment: {row r, keys 2j..}, {row r+8, 2j..}, {r, 2j+8..}, {r+8, 2j+8..}.
-  const uint32_t pa[4] = {pack_half2(s[0][0] * sv[0][0], s[0][1] * sv[0][1]),
-                          pack_half2(s[0][2] * sv[0][0], s[0][3] * sv[0][1]),
-                          pack_half2(s[1][0] * sv[1][0], s[1][1] * sv[1][1]),
-                          pack_half2(s[1][2] * sv[1][0], s[1][3] * sv[1][1])};
-  int2_values<D>(st, pa, vw);
+  uint32_t pa[1][4];
+  int2_value_inputs<D>(st, s, sv, ov, pa);
+  int2_values<D>(st, pa[0], vw);
 }
 
 // The bf16 hi + lo A fragments of k-step s of rows qr0 (r) and qr1 (r + 8): channels ch, ch+1
@@ -579,38 +600,17 @@ OSCAR_DEVICE void extend_int2_stage(RowState<D>& st, uint64_t q_desc, uint64_t k
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
   ptx::wgmma_fence_operands(acc);
+  uint2 km[kBlocks], vm[kBlocks];
+#pragma unroll
+  for (int i = 0; i < kBlocks; ++i) {
+    km[i] = *reinterpret_cast<const uint2*>(stage + S::kKMeta + 4 * (8 * i + 2 * j));
+    vm[i] = *reinterpret_cast<const uint2*>(stage + S::kVMeta + 4 * (8 * i + 2 * j));
+  }
   float sc[kBlocks][4], sv[kBlocks][2], ov[kBlocks][2];
-#pragma unroll
-  for (int i = 0; i < kBlocks; ++i) {
-    const uint2 km = *reinterpret_cast<const uint2*>(stage + S::kKMeta + 4 * (8 * i + 2 * j));
-    const uint2 vm = *reinterpret_cast<const uint2*>(stage + S::kVMeta + 4 * (8 * i + 2 * j));
-    const float2 k0 = __half22float2(bits_half2(km.x)), k1 = __half22float2(bits_half2(km.y));
-    const float2 v0 = __half22float2(bits_half2(vm.x)), v1 = __half22float2(bits_half2(vm.y));
-    const float sk[2] = {k0.x, k1.x}, ok[2] = {k0.y, k1.y};
-    sv[i][0] = v0.x;
-    sv[i][1] = v1.x;
-    ov[i][0] = v0.y;
-    ov[i][1] = v1.y;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) sc[i][c] = (acc[i][c] * sk[c & 1] + ok[c & 1] * qsum[c >> 1]) * scale2;
-  }
+  int2_block_scores([&](int n, int c) { return acc[n][c]; }, km, vm, qsum, scale2, sc, sv, ov);
   row_softmax_step<D, kBlocks>(st, sc, mask, first_key, valid, q_pos, j);
-#pragma unroll
-  for (int i = 0; i < kBlocks; ++i) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) st.offset[c >> 1] += sc[i][c] * ov[i][c & 1];
-  }
-  // P' = p·scale as A fragments, 16 keys per k-step: {row r, keys 2j..}, {r+8, 2j..}, {r, 2j+8..},
-  // {r+8, 2j+8..} of blocks 2kk and 2kk + 1.
   uint32_t pa[kBlocks / 2][4];
-#pragma unroll
-  for (int kk = 0; kk < kBlocks / 2; ++kk) {
-    const int b0 = 2 * kk, b1 = 2 * kk + 1;
-    pa[kk][0] = pack_half2(sc[b0][0] * sv[b0][0], sc[b0][1] * sv[b0][1]);
-    pa[kk][1] = pack_half2(sc[b0][2] * sv[b0][0], sc[b0][3] * sv[b0][1]);
-    pa[kk][2] = pack_half2(sc[b1][0] * sv[b1][0], sc[b1][1] * sv[b1][1]);
-    pa[kk][3] = pack_half2(sc[b1][2] * sv[b1][0], sc[b1][3] * sv[b1][1]);
-  }
+  int2_value_inputs<D>(st, sc, sv, ov, pa);
   ptx::wgmma_fence_operands(st.o);
   ptx::wgmma_fence();
 #pragma unroll
