@@ -17,6 +17,10 @@
 //   a running scalar. BF16 sink/window tiles use the same accumulators (bf16 MMAs, q as bf16
 //   hi + lo).
 // - The INT2 tiles are staged once per block through a cp.async ring shared by its 4 warps.
+// - That is the mma.sync path, for any sm_80+ build. An sm_90a build (OSCAR_HAS_WGMMA) runs the
+//   warpgroup path instead (ExtendWgmma, below): each staged 64-key stage is unpacked once
+//   into fp16 operands in shared memory, and wgmma multiplies them for all 64 rows at once, so
+//   no warp unpacks for itself (1.4x at 64-256 new tokens over 32K, H100).
 // - Every block writes its rows' partial (o, lse) to the workspace; extend_merge_kernel then
 //   merges a request's chunks exactly, un-rotates by R_Vᵀ and writes bf16 (two launches, no
 //   arrival counters). q is rotated by R_K once per query row by rotate_queries_kernel, not
