@@ -85,6 +85,9 @@ def main():
                 line += f"; {row['real_time'] / read_us:.1f}x the prefix read at copy bandwidth"
                 if decode:
                     line += f", {row['real_time'] / decode['real_time']:.2f}x our decode of it"
+                sdpa_us = sdpa.get(name)  # sdpa_baseline.py's BF16 extend of the same shape
+                if sdpa_us:
+                    line += f"; vs SDPA on BF16 ({sdpa_us:.1f} us): {sdpa_us / row['real_time']:.2f}x"
             print(line)
 
     import matplotlib
