@@ -429,6 +429,7 @@ OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, co
 // - K' (B of S, in the q rows' space): row = key, k = position p: 1024 + 4^k·c, stride D/8·128.
 // - V^T (B of O, after K'): row = position 8·nt + n (channel value_channel(n, nt), as the BF16
 //   tiles' o registers), k = key: fp16 subnormals 4^k·c·2^-24, stride 8·128 (64 keys).
+
 // The channel of position p of a K' row: code word w's field k (bytes b = 4w..4w+3, channels
 // b + k·D/4 ...) goes to positions k·D/4 + b .. + 3 as the channels b, b+2, b+1, b+3 (+ k·D/4)
 // that unpack_field_biased of w and w >> 8 give.
@@ -514,8 +515,8 @@ OSCAR_DEVICE void write_query_operand(const float* q_rows, uint32_t qa, int tid,
   }
 }
 
-// Every thread: its half of one key's K' row and 16 rows of V^T (position n of 8 n-tiles, 8
-// keys), from the staged codes of a stage.
+// Row n of V^T's core matrices (n-tile nt, key group kg) for the n-tiles of half kHalf: the
+// value codes of keys 8kg .. 8kg + 7 at channel value_channel(n, nt), as fp16 subnormals.
 template <int D, int kHalf>
 OSCAR_DEVICE void unpack_value_columns(const unsigned char* stage, uint32_t vt, int n, int kg) {
   using S = ExtendStage<D>;
@@ -543,6 +544,8 @@ OSCAR_DEVICE void unpack_value_columns(const unsigned char* stage, uint32_t vt, 
   }
 }
 
+// Every thread: its half of one key's K' row and its rows of V^T (unpack_value_columns), from
+// the staged codes of a stage.
 template <int D>
 OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t operands, int tid) {
   using S = ExtendStage<D>;
