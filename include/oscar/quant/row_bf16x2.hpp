@@ -234,6 +234,19 @@ OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uin
   return key_bits(threshold);
 }
 
+// The quantizer of a group whose extremes are mn, mx (bf16 values), clipped at tau (+Inf: no
+// clipping), and the ordered keys lo, hi of its clipped extremes, which bound level_threshold's
+// search. The clipped group's extremes are the clamped extremes (clipping is a monotone clamp),
+// and they are bf16 values (elements of the row or tau), so their keys are exact.
+OSCAR_HOST_DEVICE GroupQuantizer clipped_group_quantizer(float mn, float mx, float tau, uint32_t& lo, uint32_t& hi) {
+  mn = clamp_magnitude(mn, tau);
+  mx = clamp_magnitude(mx, tau);
+  const GroupQuantizer q = make_group_quantizer(mn, mx, true);
+  lo = ordered_key(float_bits(mn) >> 16);
+  hi = ordered_key(float_bits(mx) >> 16);
+  return q;
+}
+
 // The rank-th largest (rank <= N) of a descending top list, as magnitude bits: the least of
 // the first `rank` entries, by a select per entry (indexing top[rank - 1] would put the list
 // in local memory). A rank below 1 selects none: +Inf, no clipping.
@@ -342,13 +355,9 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
   for (int g = 0; g < kGroups; ++g) {
     float mn, mx;
     pair_extremes<kGroup / 2>(row, g * (kGroup / 2), mn, mx);
-    // The clipped group's extremes are the clamped extremes (clipping is a monotone clamp).
-    mn = clamp_magnitude(mn, tau_value);
-    mx = clamp_magnitude(mx, tau_value);
-    const GroupQuantizer q = make_group_quantizer(mn, mx, true);
+    uint32_t lo, hi;
+    const GroupQuantizer q = clipped_group_quantizer(mn, mx, tau_value, lo, hi);
     meta[g] = q.meta;
-    // mn and mx are bf16 values (elements of the row or tau), so their keys are exact.
-    const uint32_t lo = ordered_key(float_bits(mn) >> 16), hi = ordered_key(float_bits(mx) >> 16);
     uint32_t level[3];
     OSCAR_UNROLL
     for (int c = 0; c < 3; ++c) {
@@ -432,11 +441,9 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
       mn = other_mn < mn ? other_mn : mn;
       mx = other_mx > mx ? other_mx : mx;
     }
-    mn = clamp_magnitude(mn, tau_value);
-    mx = clamp_magnitude(mx, tau_value);
-    const GroupQuantizer q = make_group_quantizer(mn, mx, true);
+    uint32_t lo, hi;
+    const GroupQuantizer q = clipped_group_quantizer(mn, mx, tau_value, lo, hi);
     meta[g] = q.meta;
-    const uint32_t lo = ordered_key(float_bits(mn) >> 16), hi = ordered_key(float_bits(mx) >> 16);
     uint32_t level[3];
     if constexpr (kSplitGroup) {
       // Two searches per lane instead of three: h = 0 finds levels 1 and 2, h = 1 levels 3 and 2.
