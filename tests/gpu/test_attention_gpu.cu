@@ -63,11 +63,13 @@ std::vector<bf16_t> to_bf16(const std::vector<float>& x) {
 
 using Errors = AttentionErrors;
 
-// Runs the kernel for `ids` (query_tokens empty: decode) and compares with the reference.
+// Runs the kernel for `ids` (query_tokens empty: decode) and compares with the reference;
+// via_graph captures the launch on a stream into a CUDA graph and replays that (the row-tiled
+// extend's three kernels are chained by programmatic launches, which capture must keep).
 Errors run_and_compare(const PagedCache& cache, const std::vector<RequestId>& ids,
                        const std::vector<int32_t>& query_tokens, RowGenerator& qgen, bool kernel_rotates,
                        const AttentionPlanOptions& options = {}, int replays = 1,
-                       void (*corrupt)(const PagedKvRef&) = nullptr) {
+                       void (*corrupt)(const PagedKvRef&) = nullptr, bool via_graph = false) {
   const CacheConfig& c = cache.config();
   const int d = c.head_dim;
   auto tables = cache.page_tables(ids);
@@ -129,16 +131,36 @@ Errors run_and_compare(const PagedCache& cache, const std::vector<RequestId>& id
   p.output_unrotation = dev.v_rotation();
   p.out = d_out.ptr;
   p.lse = d_lse.ptr;
+  cudaStream_t stream = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  if (via_graph) {
+    CUDA_REQUIRE(cudaStreamCreate(&stream));
+    cudaGraph_t graph;
+    CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const Status s = paged_attention(*plan, p, workspace.ptr, workspace.count, stream);
+    CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+    REQUIRE_MESSAGE(s.ok(), s.to_string());
+    CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+    cudaGraphDestroy(graph);
+  }
   Errors e;
   for (int rep = 0; rep < replays; ++rep) {
     d_out.fill_bytes(0xFF);  // NaN
     d_lse.fill_bytes(0xFF);
-    const Status s = paged_attention(*plan, p, workspace.ptr, workspace.count);
-    REQUIRE_MESSAGE(s.ok(), s.to_string());
+    if (via_graph) {
+      CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
+    } else {
+      const Status s = paged_attention(*plan, p, workspace.ptr, workspace.count);
+      REQUIRE_MESSAGE(s.ok(), s.to_string());
+    }
     CUDA_REQUIRE(cudaDeviceSynchronize());
     const std::vector<bf16_t> out = d_out.download();
     const std::vector<float> lse = d_lse.download();
     e = attention_errors(cache, 0, ids, qo_indptr, out, lse, ref, ref_lse);
+  }
+  if (via_graph) {
+    cudaGraphExecDestroy(exec);
+    cudaStreamDestroy(stream);
   }
   return e;
 }
@@ -244,6 +266,7 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     many.min_chunk_bytes = 1;
     many.target_blocks_per_sm = 64;
     check(run_and_compare(cache, ids, n_new, qgen, true, many));
+    check(run_and_compare(cache, ids, n_new, qgen, true, many, 2, nullptr, /*via_graph=*/true));
     AttentionPlanOptions columns = many;
     columns.row_tiled_min_rows = INT32_MAX;
     check(run_and_compare(cache, ids, n_new, qgen, true, columns));

@@ -36,6 +36,7 @@
 #include "oscar/attention/attention_fragments.cuh"
 #include "oscar/attention/attention_plan.hpp"
 #include "oscar/attention/paged_attention_params.hpp"
+#include "oscar/core/programmatic_launch.cuh"
 #include "oscar/core/wgmma.cuh"
 #include "oscar/kv/paged_kv.hpp"
 
@@ -645,6 +646,9 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   const PagedAttentionParams& p = args.p;
   const PagedKvRef& kv = p.kv;
   const int item_index = blockIdx.x;
+  // The merge grid may be scheduled once every block of this one has started: its blocks stage
+  // R_V while this grid's last wave runs, then wait for it.
+  ptx::allow_dependent_launch();
   const AttentionWorkItem item = args.items[item_index];
   const int32_t head = blockIdx.y;
   const int32_t num_kv_heads = gridDim.y;
@@ -679,7 +683,9 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   // 1. The block's q rows (rotated once by rotate_queries_kernel, or as given), zero past the end,
   // 4 channels per load (16 bytes of rotated floats or 8 of bf16; the workspace and q are 16-byte
   // aligned). A load per channel cost ~1800 instructions per thread; 8 bf16 channels per load in
-  // a loop of its own made ptxas spill in the INT2 loop.
+  // a loop of its own made ptxas spill in the INT2 loop. Launched as the programmatic dependent
+  // of the rotation, the block waits for it here: the page tables' walk above ran under it.
+  ptx::wait_for_prerequisite_grid();
   for (int idx = tid; idx < kExtendRows * D / 4; idx += kExtendThreads) {
     const int row = idx / (D / 4), i = (idx % (D / 4)) * 4;
     const int32_t gr = row0 + row;
@@ -968,26 +974,40 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
   const int rows = min(kMergeRows, n_rows - row0);
   const int chunks = item.num_chunks;
   const int tid = threadIdx.x;
+  auto slot_of = [&](int k) { return (size_t(item.first_item + k) * num_kv_heads + head) * kExtendRows + tile_row0; };
+  // R_V's rows and then the lse loads all go out before any is stored: one L2 / DRAM round trip
+  // for both (the staging loop as the compiler unrolled it kept 4 float4 in flight per thread:
+  // four round trips, ~4 us of a cold-cache merge). R_V is read before the wait for the extend
+  // grid (launched as its programmatic dependent, the merge may start during its last wave).
+  constexpr int kRotationLoads = D * D / 4 / kMergeThreads;
+  static_assert(D * D / 4 % kMergeThreads == 0);
+  float4 r[kRotationLoads];
   if (p.output_unrotation) {
-    // rot_t[k][i] = R_V[i][k]: coalesced float4 reads of R_V's rows, all in flight at once.
-    // Consecutive threads take consecutive rows i, so the transposed stores hit distinct banks.
-    for (int idx = tid; idx < D * D / 4; idx += kMergeThreads) {
-      const int i = idx % D, k4 = idx / D;
-      const float4 v = __ldg(reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D) + k4);
-      rot_t[(4 * k4 + 0) * D + i] = v.x;
-      rot_t[(4 * k4 + 1) * D + i] = v.y;
-      rot_t[(4 * k4 + 2) * D + i] = v.z;
-      rot_t[(4 * k4 + 3) * D + i] = v.w;
+#pragma unroll
+    for (int e = 0; e < kRotationLoads; ++e) {
+      const int idx = tid + e * kMergeThreads, i = idx % D, k4 = idx / D;
+      r[e] = __ldg(reinterpret_cast<const float4*>(p.output_unrotation + size_t(i) * D) + k4);
     }
   }
-  auto slot_of = [&](int k) { return (size_t(item.first_item + k) * num_kv_heads + head) * kExtendRows + tile_row0; };
-  // The lse loads all go out at once (one L2 round trip; a loop over them waited for each).
+  ptx::wait_for_prerequisite_grid();  // the partial (o, lse) of every chunk
   constexpr int kLsePerThread = (kMaxAttentionChunks * kMergeRows + kMergeThreads - 1) / kMergeThreads;
   float lse_k[kLsePerThread];
 #pragma unroll
   for (int e = 0; e < kLsePerThread; ++e) {
     const int idx = tid + e * kMergeThreads;
     lse_k[e] = idx < chunks * kMergeRows ? __ldcg(args.partial_lse + slot_of(idx / kMergeRows) + idx % kMergeRows) : 0.0f;
+  }
+  if (p.output_unrotation) {
+    // rot_t[k][i] = R_V[i][k]. Consecutive threads hold consecutive rows i, so the transposed
+    // stores hit distinct banks.
+#pragma unroll
+    for (int e = 0; e < kRotationLoads; ++e) {
+      const int idx = tid + e * kMergeThreads, i = idx % D, k4 = idx / D;
+      rot_t[(4 * k4 + 0) * D + i] = r[e].x;
+      rot_t[(4 * k4 + 1) * D + i] = r[e].y;
+      rot_t[(4 * k4 + 2) * D + i] = r[e].z;
+      rot_t[(4 * k4 + 3) * D + i] = r[e].w;
+    }
   }
 #pragma unroll
   for (int e = 0; e < kLsePerThread; ++e) {
@@ -1030,20 +1050,37 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
 #pragma unroll
   for (int e = 0; e < kPerThread; ++e) o[tid + e * kMergeThreads] = acc[e];
   __syncthreads();
-  // Thread (i, part): output channel i of rows part, part + P, ... (P = threads / D).
+  // Thread (i, part): output channel i of rows part, part + P, ... (P = threads / D), all its
+  // rows at once: one R_V load per k and a float4 of o per 4 k (a row at a time was one chain
+  // of D dependent fmas per row).
   constexpr int kParts = kMergeThreads / D;
+  constexpr int kRowsPerThread = kMergeRows / kParts;
   const int i = tid % D, part = tid / D;
-  for (int rr = part; rr < rows; rr += kParts) {
-    float out = 0.0f;
-    if (p.output_unrotation) {
-#pragma unroll 8
-      for (int k = 0; k < D; ++k) out = fmaf(o[rr * D + k], rot_t[k * D + i], out);
-    } else {
-      out = o[rr * D + i];
+  float out[kRowsPerThread];
+  if (p.output_unrotation) {
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerThread; ++rr) out[rr] = 0.0f;
+#pragma unroll 2
+    for (int k = 0; k < D; k += 4) {
+      const float r0 = rot_t[k * D + i], r1 = rot_t[(k + 1) * D + i];
+      const float r2 = rot_t[(k + 2) * D + i], r3 = rot_t[(k + 3) * D + i];
+#pragma unroll
+      for (int rr = 0; rr < kRowsPerThread; ++rr) {
+        const float4 v = *reinterpret_cast<const float4*>(o + (part + rr * kParts) * D + k);
+        out[rr] = fmaf(v.w, r3, fmaf(v.z, r2, fmaf(v.y, r1, fmaf(v.x, r0, out[rr]))));
+      }
     }
-    const int32_t gr = row0 + rr;
-    const int64_t qrow = query_row(q_begin, gr, g, p.num_qo_heads, head);
-    reinterpret_cast<__nv_bfloat16*>(p.out)[qrow * D + i] = __float2bfloat16_rn(out);
+  } else {
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerThread; ++rr) out[rr] = o[(part + rr * kParts) * D + i];
+  }
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerThread; ++rr) {
+    if (part + rr * kParts < rows) {
+      const int32_t gr = row0 + part + rr * kParts;
+      const int64_t qrow = query_row(q_begin, gr, g, p.num_qo_heads, head);
+      reinterpret_cast<__nv_bfloat16*>(p.out)[qrow * D + i] = __float2bfloat16_rn(out[rr]);
+    }
   }
   if (p.lse && tid < rows) {
     const int32_t gr = row0 + tid;
@@ -1054,15 +1091,17 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
 
 // q·R_K of every query row of the batch, once, in float ([rows][D], rows = tokens x qo
 // heads): the extend blocks of every chunk then read the rotated rows instead of each
-// rotating its own. R_K is staged in shared memory by one round of coalesced loads.
-inline constexpr int kRotateRows = 32;
+// rotating its own. R_K is staged in shared memory by one round of coalesced loads, all in
+// flight at once. 16 rows per block: at 8 new tokens (256 rows) 32 rows per block left 8 SMs
+// doing 4,200 instructions per thread each, ~10 us on the H200.
+inline constexpr int kRotateRows = 16;
 inline constexpr int kRotateThreads = 256;
 
 template <int D>
 struct RotateLayout {
   static_assert(D <= kAttentionRowTiledMaxHeadDim, "the row-tiled extend path's head dims");
   static constexpr size_t rotation = 0;                 // float [D][D]
-  static constexpr size_t q = sizeof(float) * D * D;     // float [32][D]
+  static constexpr size_t q = sizeof(float) * D * D;     // float [16][D]
   static constexpr size_t bytes = q + sizeof(float) * kRotateRows * D;
 };
 
@@ -1073,7 +1112,15 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_queries_kernel(const bf
   extern __shared__ __align__(16) unsigned char smem[];
   float* rs = reinterpret_cast<float*>(smem + L::rotation);
   float* qs = reinterpret_cast<float*>(smem + L::q);
+  ptx::allow_dependent_launch();  // the extend blocks' prologue runs under this grid
   const int64_t row0 = int64_t{blockIdx.x} * kRotateRows;
+  constexpr int kRotationLoads = D * D / 4 / kRotateThreads;
+  static_assert(D * D / 4 % kRotateThreads == 0);
+  float4 r[kRotationLoads];
+#pragma unroll
+  for (int e = 0; e < kRotationLoads; ++e) {
+    r[e] = __ldg(reinterpret_cast<const float4*>(rotation) + threadIdx.x + e * kRotateThreads);
+  }
   for (int idx = threadIdx.x; idx < kRotateRows * D / 8; idx += kRotateThreads) {  // 8 bf16 channels per load
     const int64_t row = row0 + idx / (D / 8);
     const int i = (idx % (D / 8)) * 8;
@@ -1082,20 +1129,23 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_queries_kernel(const bf
     *reinterpret_cast<float4*>(qs + (idx / (D / 8)) * D + i) = make_float4(v[0], v[1], v[2], v[3]);
     *reinterpret_cast<float4*>(qs + (idx / (D / 8)) * D + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
   }
-  for (int idx = threadIdx.x; idx < D * D / 4; idx += kRotateThreads) {
-    reinterpret_cast<float4*>(rs)[idx] = __ldg(reinterpret_cast<const float4*>(rotation) + idx);
-  }
+#pragma unroll
+  for (int e = 0; e < kRotationLoads; ++e) reinterpret_cast<float4*>(rs)[threadIdx.x + e * kRotateThreads] = r[e];
   __syncthreads();
-  // Thread (i, part): channel i of rows part, part + P, ... (P = threads / D).
+  // Thread (i, part): channel i of rows part, part + P, ... (P = threads / D); a float4 of each
+  // q row per 4 k, the fmas in k order (the CPU reference's).
   constexpr int kParts = kRotateThreads / D;
   constexpr int kRowsPerThread = kRotateRows / kParts;
   const int i = threadIdx.x % D, part = threadIdx.x / D;
   float acc[kRowsPerThread] = {};
-#pragma unroll 4
-  for (int k = 0; k < D; ++k) {
-    const float rk = rs[k * D + i];
+#pragma unroll 2
+  for (int k = 0; k < D; k += 4) {
+    const float r0 = rs[k * D + i], r1 = rs[(k + 1) * D + i], r2 = rs[(k + 2) * D + i], r3 = rs[(k + 3) * D + i];
 #pragma unroll
-    for (int rr = 0; rr < kRowsPerThread; ++rr) acc[rr] = fmaf(qs[(part + rr * kParts) * D + k], rk, acc[rr]);
+    for (int rr = 0; rr < kRowsPerThread; ++rr) {
+      const float4 v = *reinterpret_cast<const float4*>(qs + (part + rr * kParts) * D + k);
+      acc[rr] = fmaf(v.w, r3, fmaf(v.z, r2, fmaf(v.y, r1, fmaf(v.x, r0, acc[rr]))));
+    }
   }
 #pragma unroll
   for (int rr = 0; rr < kRowsPerThread; ++rr) {

@@ -1249,8 +1249,12 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
         return unsupported("paged_attention: row-tiled extend plans need head_dim <= " +
                            std::to_string(kAttentionRowTiledMaxHeadDim));
       } else {
+        // The extend grid starts as the programmatic dependent of the rotation (its page-table
+        // walk under the rotation's tail) and the merge as that of the extend grid (R_V staged
+        // under its last wave); each waits in the kernel before reading its predecessor's output.
         const int64_t rows = plan.num_query_tokens * shape.num_qo_heads;
-        if (params.q_rotation && rows > 0) {
+        const bool rotated = params.q_rotation && rows > 0;
+        if (rotated) {
           const unsigned blocks = static_cast<unsigned>((rows + kRotateRows - 1) / kRotateRows);
           const size_t rotate_smem = RotateLayout<D>::bytes;
           OSCAR_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(rotate_queries_kernel<D>,
@@ -1266,15 +1270,18 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
             cudaFuncSetAttribute(extend_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
             "paged_attention: extend shared memory attribute"));
         const dim3 grid(static_cast<unsigned>(plan.items.size()), static_cast<unsigned>(shape.num_kv_heads));
-        extend_attention_kernel<D><<<grid, kExtendThreads, smem, stream>>>(ea);
-        OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "paged_attention: extend launch"));
+        OSCAR_RETURN_IF_ERROR(cuda_status(
+            launch_maybe_programmatic(rotated, extend_attention_kernel<D>, grid, dim3(kExtendThreads), smem, stream, ea),
+            "paged_attention: extend launch"));
         const dim3 merge_grid(grid.x, grid.y, kExtendRows / kMergeRows);
         const size_t merge_smem = MergeLayout<D>::bytes;
         OSCAR_RETURN_IF_ERROR(cuda_status(
             cudaFuncSetAttribute(extend_merge_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(merge_smem)),
             "paged_attention: extend merge shared memory attribute"));
-        extend_merge_kernel<D><<<merge_grid, kMergeThreads, merge_smem, stream>>>(ea);
-        return cuda_status(cudaGetLastError(), "paged_attention: extend merge launch");
+        OSCAR_RETURN_IF_ERROR(cuda_status(
+            launch_maybe_programmatic(true, extend_merge_kernel<D>, merge_grid, dim3(kMergeThreads), merge_smem, stream, ea),
+            "paged_attention: extend merge launch"));
+        return Status::Ok();
       }
     });
   }
