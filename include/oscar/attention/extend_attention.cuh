@@ -1055,6 +1055,7 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
   // of D dependent fmas per row).
   constexpr int kParts = kMergeThreads / D;
   constexpr int kRowsPerThread = kMergeRows / kParts;
+  static_assert(kMergeThreads % D == 0 && kMergeRows % kParts == 0, "whole rows per thread");
   const int i = tid % D, part = tid / D;
   float out[kRowsPerThread];
   if (p.output_unrotation) {
@@ -1136,6 +1137,7 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_queries_kernel(const bf
   // q row per 4 k, the fmas in k order (the CPU reference's).
   constexpr int kParts = kRotateThreads / D;
   constexpr int kRowsPerThread = kRotateRows / kParts;
+  static_assert(kRotateThreads % D == 0 && kRotateRows % kParts == 0, "whole rows per thread");
   const int i = threadIdx.x % D, part = threadIdx.x / D;
   float acc[kRowsPerThread] = {};
 #pragma unroll 2

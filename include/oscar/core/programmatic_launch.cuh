@@ -1,7 +1,7 @@
 // Programmatic dependent launch (Hopper): a kernel launched as the programmatic dependent of
-// the one before it in the stream may start once every block of that one has started (or
-// called allow_dependent_launch), so its prologue and launch latency overlap the tail of its
-// prerequisite; it must call wait_for_prerequisite_grid before it reads anything that grid
+// the one before it in the stream may start once every block of that one has called
+// allow_dependent_launch or exited (our prerequisites call it first thing), so its prologue
+// and launch latency overlap the tail of its prerequisite; it must call wait_for_prerequisite_grid before it reads anything that grid
 // writes. Everything older in the stream than the prerequisite is complete when a dependent
 // starts, provided the prerequisite itself was launched the ordinary way (then it started only
 // after all of it), so a dependent may read those inputs before the wait.
