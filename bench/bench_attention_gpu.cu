@@ -248,6 +248,13 @@ void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, in
   if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
   state.counters["items"] = double(problem.plan.items.size());
   state.counters["blocks/SM"] = double(problem.blocks_per_sm);
+  if (problem.plan.row_tiled()) {
+    // Whether the row-tiled path's extend and merge kernels start as programmatic dependents.
+    bool pdl = false;
+    if (d == 64) oscar::programmatic_launch_available(oscar::attention_detail::extend_merge_kernel<64>, pdl);
+    if (d == 128) oscar::programmatic_launch_available(oscar::attention_detail::extend_merge_kernel<128>, pdl);
+    state.counters["pdl"] = pdl ? 1.0 : 0.0;
+  }
 #ifdef OSCAR_ATTENTION_TIMELINE
   if (!problem.plan.row_tiled()) {
     const std::string what = "B" + std::to_string(batch) + " L" + std::to_string(length) + " d" + std::to_string(d) +

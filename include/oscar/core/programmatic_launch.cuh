@@ -45,8 +45,24 @@ OSCAR_DEVICE void allow_dependent_launch() {
 
 }  // namespace ptx
 
+// Whether `kernel` launches as a programmatic dependent on the current device: this build
+// allows it (OSCAR_PROGRAMMATIC_LAUNCH), the device is compute capability 9.0 or newer, and the
+// kernel's code was compiled for one (what launch_maybe_programmatic checks; benchmarks report it).
+template <typename... KernelArgs>
+cudaError_t programmatic_launch_available(void (*kernel)(KernelArgs...), bool& available) {
+  available = false;
+  if (!OSCAR_PROGRAMMATIC_LAUNCH) return cudaSuccess;
+  int device = 0, major = 0;
+  cudaFuncAttributes fa{};
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kernel);
+  available = e == cudaSuccess && major >= 9 && fa.ptxVersion >= 90;
+  return e;
+}
+
 // Launches kernel<<<grid, block, smem, stream>>>(args...), as the programmatic dependent of the
-// stream's previous kernel when `programmatic` is set and the device and binary support it.
+// stream's previous kernel when `programmatic` is set and programmatic_launch_available.
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_maybe_programmatic(bool programmatic, void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
                                       size_t smem, cudaStream_t stream, Args&&... args) {
@@ -56,14 +72,10 @@ cudaError_t launch_maybe_programmatic(bool programmatic, void (*kernel)(KernelAr
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute{};
-  if (OSCAR_PROGRAMMATIC_LAUNCH && programmatic) {
-    int device = 0, major = 0;
-    cudaFuncAttributes fa{};
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kernel);
-    if (e != cudaSuccess) return e;
-    if (major >= 9 && fa.ptxVersion >= 90) {
+  if (programmatic) {
+    bool available = false;
+    if (const cudaError_t e = programmatic_launch_available(kernel, available); e != cudaSuccess) return e;
+    if (available) {
       attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attribute.val.programmaticStreamSerializationAllowed = 1;
       config.attrs = &attribute;
