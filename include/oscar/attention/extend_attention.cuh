@@ -89,7 +89,10 @@ struct ExtendLayout {
   static constexpr size_t q_f16 = q_rows + sizeof(float) * kExtendRows * D;  // uint4 [warps][D/16][32]
   static constexpr size_t stages = q_f16 + sizeof(uint4) * kExtendWarps * (D / 16) * 32;
   static constexpr size_t stats = stages + size_t{kExtendStages} * ExtendStage<D>::kBytes;  // float [2][warps][16]
-  static constexpr size_t bytes = stats + sizeof(float) * 2 * kExtendWarps * 16;
+  // float4 [stage keys]: the landed stage's key and value metadata in float, the key's scaled
+  // by sm_scale·log2(e) (the warpgroup path; converted once per key, not once per lane).
+  static constexpr size_t int2_meta = stats + sizeof(float) * 2 * kExtendWarps * 16;
+  static constexpr size_t bytes = int2_meta + sizeof(float4) * ExtendStage<D>::kKeys;
 };
 
 struct ExtendArgs {
@@ -476,11 +479,10 @@ struct ExtendWgmma {
   }
 };
 
-// q' of the block's 64 rows into the A operand (every thread), and this lane's key_bias
-// (1024·Σ q' of its rows r and r + 8 of warp w, over the fp16 values the MMA multiplies) and
-// qsum (Σ q).
+// q' of the block's 64 rows into the A operand (every thread), and this lane's qsum (Σ q of
+// its rows r and r + 8 of warp w).
 template <int D>
-OSCAR_DEVICE void write_query_operand(const float* q_rows, uint32_t qa, int tid, float (&key_bias)[2], float (&qsum)[2]) {
+OSCAR_DEVICE void write_query_operand(const float* q_rows, uint32_t qa, int tid, float (&qsum)[2]) {
   using W = ExtendWgmma<D>;
   for (int idx = tid; idx < kExtendRows * (D / 8); idx += kExtendThreads) {
     const int row = idx / (D / 8), c = idx % (D / 8);
@@ -499,19 +501,10 @@ OSCAR_DEVICE void write_query_operand(const float* q_rows, uint32_t qa, int tid,
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float* q = q_rows + (16 * warp + r + 8 * i) * D;
-    float bias = 0.0f, sum = 0.0f;
-    for (int p = 2 * j; p < D; p += 8) {  // positions 8c + 2j, 8c + 2j + 1: the 4 lanes cover all
-      const float inv = 1.0f / float(1 << (2 * (p / (D / 4))));
-      const float2 h = __half22float2(bits_half2(pack_half2(q[unpacked_key_channel<D>(p)] * inv,
-                                                            q[unpacked_key_channel<D>(p + 1)] * inv)));
-      bias += h.x + h.y;
-      sum += q[unpacked_key_channel<D>(p)] + q[unpacked_key_channel<D>(p + 1)];
-    }
-    bias += __shfl_xor_sync(kFullMask, bias, 1);
-    bias += __shfl_xor_sync(kFullMask, bias, 2);
+    float sum = 0.0f;
+    for (int c = j; c < D; c += 4) sum += q[c];  // the 4 lanes of the row cover all channels
     sum += __shfl_xor_sync(kFullMask, sum, 1);
     sum += __shfl_xor_sync(kFullMask, sum, 2);
-    key_bias[i] = 1024.0f * bias;
     qsum[i] = sum;
   }
 }
@@ -548,9 +541,24 @@ OSCAR_DEVICE void unpack_value_columns(const unsigned char* stage, uint32_t vt, 
 // Every thread: its half of one key's K' row and its rows of V^T (unpack_value_columns), from
 // the staged codes of a stage.
 template <int D>
-OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t operands, int tid) {
+OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t operands, uint32_t meta, float scale2,
+                                        int tid) {
   using S = ExtendStage<D>;
   using W = ExtendWgmma<D>;
+  {
+    // Metadata: thread 2·key + 0 converts the key's (scale, offset), 2·key + 1 the value's,
+    // into the key's float4 {s_k', o_k', s_v, o_v}: s_k' = s_k·sm_scale·log2(e)·2^24 (the
+    // subnormal codes' unit, exact), o_k' = o_k·sm_scale·log2(e).
+    static_assert(kExtendThreads == 2 * S::kKeys);
+    const int key = tid / 2, is_value = tid % 2;
+    const float2 f = __half22float2(bits_half2(
+        *reinterpret_cast<const uint32_t*>(stage + (is_value ? S::kVMeta : S::kKMeta) + 4 * key)));
+    const float scale = is_value ? 1.0f : scale2;
+    const float code_unit = is_value ? 1.0f : float(1 << 24);
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(meta + 16 * key + 8 * is_value), "f"(f.x * scale * code_unit),
+                 "f"(f.y * scale)
+                 : "memory");
+  }
   {
     // K': words [part·D/32, ...) of key `key`, two words per 16-byte chunk of each field.
     constexpr int kWords = D / 32;
@@ -562,10 +570,10 @@ OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t ope
       const uint32_t lo0 = w[2 * m], hi0 = w[2 * m] >> 8, lo1 = w[2 * m + 1], hi1 = w[2 * m + 1] >> 8;
       const int b = 4 * (part * kWords + 2 * m);  // the pair's first byte
       const uint32_t f[4][4] = {
-          {unpack_field_biased<0>(lo0), unpack_field_biased<0>(hi0), unpack_field_biased<0>(lo1), unpack_field_biased<0>(hi1)},
-          {unpack_field_biased<1>(lo0), unpack_field_biased<1>(hi0), unpack_field_biased<1>(lo1), unpack_field_biased<1>(hi1)},
-          {unpack_field_biased<2>(lo0), unpack_field_biased<2>(hi0), unpack_field_biased<2>(lo1), unpack_field_biased<2>(hi1)},
-          {unpack_field_biased<3>(lo0), unpack_field_biased<3>(hi0), unpack_field_biased<3>(lo1), unpack_field_biased<3>(hi1)}};
+          {unpack_field_subnormal<0>(lo0), unpack_field_subnormal<0>(hi0), unpack_field_subnormal<0>(lo1), unpack_field_subnormal<0>(hi1)},
+          {unpack_field_subnormal<1>(lo0), unpack_field_subnormal<1>(hi0), unpack_field_subnormal<1>(lo1), unpack_field_subnormal<1>(hi1)},
+          {unpack_field_subnormal<2>(lo0), unpack_field_subnormal<2>(hi0), unpack_field_subnormal<2>(lo1), unpack_field_subnormal<2>(hi1)},
+          {unpack_field_subnormal<3>(lo0), unpack_field_subnormal<3>(hi0), unpack_field_subnormal<3>(lo1), unpack_field_subnormal<3>(hi1)}};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const uint32_t addr = operands + W::kK + W::chunk(W::kRowGroupBytes, key, (k * (D / 4) + b) / 8);
@@ -585,40 +593,123 @@ OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t ope
   }
 }
 
+// The probabilities of one stage for this lane's scores (NT blocks of 8 keys, the layout of
+// row_softmax_step), computed relative to the running max in one fma chain per score:
+// s - m = q·c·s_k' + (o_k'·Σq - m), with s_k', o_k' the key metadata already scaled by
+// sm_scale·log2(e) (meta: the stage's float4 per key). The lazy max moves only past +8 (log2
+// units), as in row_softmax_step; when it moves, the stage's relative scores shift by the
+// change (one more rounding of a value below 2^8, far under the fp16 rounding of P).
+template <int D, int NT>
+OSCAR_DEVICE void int2_stage_probabilities(RowState<D>& st, const float (&acc)[NT][4], const float4* meta,
+                                           const float (&qsum)[2], bool mask, int32_t first_key, int valid,
+                                           const int32_t (&q_pos)[2], int j, float (&p)[NT][4]) {
+  float sk[NT][2], ok[NT][2];  // (the value halves are read later: fewer registers live here)
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float2 m = *reinterpret_cast<const float2*>(meta + 8 * n + 2 * j + e);
+      sk[n][e] = m.x;
+      ok[n][e] = m.y;
+    }
+  }
+  float m_use[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) m_use[i] = st.m[i] == -INFINITY ? 0.0f : st.m[i];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) p[n][c] = fmaf(acc[n][c], sk[n][c & 1], fmaf(ok[n][c & 1], qsum[c >> 1], -m_use[c >> 1]));
+  }
+  if (mask) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int key = 8 * n + 2 * j + (c & 1);
+        if (key >= valid || first_key + key > q_pos[c >> 1]) p[n][c] = -INFINITY;
+      }
+    }
+  }
+  // Lazy running max: any score 8 above it moves it (where there is none yet, any key does).
+  constexpr float kMaxGrowth = 8.0f;
+  bool grow = false;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) grow |= p[n][c] > (st.m[c >> 1] == -INFINITY ? -INFINITY : kMaxGrowth);
+  }
+  if (__any_sync(kFullMask, grow)) {
+    float alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float tile_max = fmaxf(p[0][2 * i], p[0][2 * i + 1]);
+#pragma unroll
+      for (int n = 1; n < NT; ++n) tile_max = fmaxf(tile_max, fmaxf(p[n][2 * i], p[n][2 * i + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+      const float m_new = fmaxf(st.m[i], m_use[i] + tile_max);  // all masked: -inf, m stays
+      const float m_new_use = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[i] = fast_exp2(st.m[i] - m_new_use);
+      st.m[i] = m_new;
+      st.l[i] *= alpha[i];
+      st.offset[i] *= alpha[i];
+      m_use[i] = m_new_use - m_use[i];  // now the shift of this row's scores
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) p[n][c] -= m_use[c >> 1];
+    }
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      st.o[nt][0] *= alpha[0];
+      st.o[nt][1] *= alpha[0];
+      st.o[nt][2] *= alpha[1];
+      st.o[nt][3] *= alpha[1];
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      p[n][c] = fast_exp2(p[n][c]);
+      st.l[c >> 1] += p[n][c];
+    }
+  }
+}
+
 // One stage (64 keys from key offset 0 of the stage, `valid` of them inside the chunk and
-// segment) for the warpgroup's 64 rows.
+// segment) for the warpgroup's 64 rows; meta: the stage's converted metadata.
 template <int D>
 OSCAR_DEVICE void extend_int2_stage(RowState<D>& st, uint64_t q_desc, uint64_t k_desc, uint64_t v_desc,
-                                    const float (&qsum)[2], const float (&key_bias)[2], const unsigned char* stage,
-                                    bool mask, int32_t first_key, int valid, const int32_t (&q_pos)[2], float scale2,
-                                    int lane) {
-  using S = ExtendStage<D>;
+                                    const float (&qsum)[2], const float4* meta, bool mask, int32_t first_key,
+                                    int valid, const int32_t (&q_pos)[2], int lane) {
   constexpr int kBlocks = ExtendStage<D>::kKeys / 8;  // 8-key blocks of S
   const int j = lane % 4;
+  // acc = 2^-24·q·c (K' holds the codes as fp16 subnormals 4^k·c·2^-24, q' is q·4^-k): no
+  // bias to start from or cancel; s_k' carries the 2^24.
   float acc[kBlocks][4];
-#pragma unroll
-  for (int i = 0; i < kBlocks; ++i) {
-    acc[i][0] = acc[i][1] = -key_bias[0];
-    acc[i][2] = acc[i][3] = -key_bias[1];
-  }
-  ptx::wgmma_fence_operands(acc);
   ptx::wgmma_fence();
+  ptx::wgmma_m64n64k16_ss_first(acc, q_desc, k_desc);
 #pragma unroll
-  for (int s = 0; s < D / 16; ++s) ptx::wgmma_m64n64k16_ss(acc, q_desc + 16 * s, k_desc + 16 * s);  // +256 bytes
+  for (int s = 1; s < D / 16; ++s) ptx::wgmma_m64n64k16_ss(acc, q_desc + 16 * s, k_desc + 16 * s);  // +256 bytes
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
   ptx::wgmma_fence_operands(acc);
-  uint2 km[kBlocks], vm[kBlocks];
+  float pr[kBlocks][4], sv[kBlocks][2], ov[kBlocks][2];
+  int2_stage_probabilities<D, kBlocks>(st, acc, meta, qsum, mask, first_key, valid, q_pos, j, pr);
 #pragma unroll
-  for (int i = 0; i < kBlocks; ++i) {
-    km[i] = *reinterpret_cast<const uint2*>(stage + S::kKMeta + 4 * (8 * i + 2 * j));
-    vm[i] = *reinterpret_cast<const uint2*>(stage + S::kVMeta + 4 * (8 * i + 2 * j));
+  for (int n = 0; n < kBlocks; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float2 m = reinterpret_cast<const float2*>(meta + 8 * n + 2 * j + e)[1];
+      sv[n][e] = m.x;
+      ov[n][e] = m.y;
+    }
   }
-  float sc[kBlocks][4], sv[kBlocks][2], ov[kBlocks][2];
-  int2_block_scores([&](int n, int c) { return acc[n][c]; }, km, vm, qsum, scale2, sc, sv, ov);
-  row_softmax_step<D, kBlocks>(st, sc, mask, first_key, valid, q_pos, j);
   uint32_t pa[kBlocks / 2][4];
-  int2_value_inputs<D>(st, sc, sv, ov, pa);
+  int2_value_inputs<D>(st, pr, sv, ov, pa);
   ptx::wgmma_fence_operands(st.o);
   ptx::wgmma_fence();
 #pragma unroll
@@ -707,11 +798,12 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   // theirs from the float rows).
   const float* qr0 = q_rows + (16 * group + r) * D;
   const float* qr1 = qr0 + 8 * D;
-  float key_bias[2], qsum[2];
 #if defined(OSCAR_HAS_WGMMA)
   // (The warpgroup path: q' of all 64 rows as the A operand in shared memory instead.)
-  write_query_operand<D>(q_rows, smem_address(smem + L::q_f16), tid, key_bias, qsum);
+  float qsum[2];
+  write_query_operand<D>(q_rows, smem_address(smem + L::q_f16), tid, qsum);
 #else
+  float key_bias[2], qsum[2];
   uint4* qa = reinterpret_cast<uint4*>(smem + L::q_f16) + warp * (D / 16) * 32 + lane;
   float bias_part[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -802,6 +894,7 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
       const uint64_t q_desc = ptx::wgmma_descriptor(smem_address(smem + L::q_f16), 128, W::kRowGroupBytes);
       const uint64_t k_desc = ptx::wgmma_descriptor(operands + W::kK, 128, W::kRowGroupBytes);
       const uint64_t v_desc = ptx::wgmma_descriptor(operands + W::kV, 128, W::kVRowGroupBytes);
+      const float4* int2_meta = reinterpret_cast<const float4*>(smem + L::int2_meta);
       scale_value_units<D>(st, true);
       for (int32_t gi = 0; gi < groups; ++gi) {
         cp_async_wait<kExtendStages - 2>();
@@ -812,15 +905,14 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
         issue_extend_stage<D>(stage0 + (next % kExtendStages) * S::kBytes, body, blocks,
                               begin + next * kExtendStageTiles, next < groups ? limit : 0, tid);
         const unsigned char* stage = stages + (gi % kExtendStages) * S::kBytes;
-        unpack_stage_operands<D>(stage, operands, tid);
+        unpack_stage_operands<D>(stage, operands, smem_address(int2_meta), scale2, tid);
         ptx::fence_proxy_async_shared();  // the stores (and q', at gi = 0) visible to wgmma
         __syncthreads();
         const int32_t t0 = (begin + gi * kExtendStageTiles) * kAttentionTileTokens;
         const int valid = min(limit - t0, int(W::kKeys));
         const int32_t first_key = body.start + t0;
         const bool mask = valid < int(W::kKeys) || first_key + int(W::kKeys) - 1 > warp_min_pos;
-        extend_int2_stage<D>(st, q_desc, k_desc, v_desc, qsum, key_bias, stage, mask, first_key, valid, q_pos, scale2,
-                             lane);
+        extend_int2_stage<D>(st, q_desc, k_desc, v_desc, qsum, int2_meta, mask, first_key, valid, q_pos, lane);
       }
       cp_async_wait<0>();
       scale_value_units<D>(st, false);

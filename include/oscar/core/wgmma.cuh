@@ -56,6 +56,16 @@ OSCAR_DEVICE void wgmma_fence_operands(float (&d)[R][C]) {
 // operands through (then a barrier, for the other threads' stores).
 OSCAR_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// D[64 x 64] = A[64 x 16] · B[16 x 64] (scale-d 0: D's old contents are not read, so the
+// first MMA of a chain needs no zeroed accumulator). A and B in shared memory.
+OSCAR_DEVICE void wgmma_m64n64k16_ss_first(float (&d)[8][4], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}"
+      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]), "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]), "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]), "=f"(d[7][2]), "=f"(d[7][3])
+      : "l"(a), "l"(b));
+}
+
 // D[64 x 64] += A[64 x 16] · B[16 x 64]: A and B in shared memory (K-major descriptors).
 OSCAR_DEVICE void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t a, uint64_t b) {
   asm volatile(
