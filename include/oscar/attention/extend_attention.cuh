@@ -430,13 +430,14 @@ OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, co
 // operand at (row / 8)·stride + (k / 8)·128 + (row % 8)·16 + (k % 8)·2.
 // - q' (A, in q_f16's space): row = query row, k = position p of unpacked_key_channel's
 //   order, fp16 q·4^-k: stride D/8·128.
-// - K' (B of S, in the q rows' space): row = key, k = position p: 1024 + 4^k·c, stride D/8·128.
+// - K' (B of S, in the q rows' space): row = key, k = position p: fp16 subnormals 4^k·c·2^-24
+//   (so S = 2^-24·q·c, no bias to cancel; the key scale carries the 2^24), stride D/8·128.
 // - V^T (B of O, after K'): row = position 8·nt + n (channel value_channel(n, nt), as the BF16
 //   tiles' o registers), k = key: fp16 subnormals 4^k·c·2^-24, stride 8·128 (64 keys).
 
 // The channel of position p of a K' row: code word w's field k (bytes b = 4w..4w+3, channels
 // b + k·D/4 ...) goes to positions k·D/4 + b .. + 3 as the channels b, b+2, b+1, b+3 (+ k·D/4)
-// that unpack_field_biased of w and w >> 8 give.
+// that the field masks of w and w >> 8 give (unpack_field_subnormal / unpack_field_biased).
 template <int D>
 OSCAR_HOST_DEVICE constexpr int unpacked_key_channel(int p) {
   const int quarter = p / (D / 4), rem = p % (D / 4);
