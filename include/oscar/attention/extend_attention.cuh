@@ -114,46 +114,44 @@ struct RowState {
   float offset[2];  // lane-partial Σ p·offset of INT2 values
 };
 
-// Masks, runs the online-softmax update on this lane's scores s[n-tile][c] (c: {r, key 2j},
-// {r, 2j+1}, {r+8, 2j}, {r+8, 2j+1}; NT blocks of 8 keys: a 16-key tile, or a 64-key stage of
-// the warpgroup path) and leaves the probabilities in s. `first_key` is the position of the
-// first key, `valid` the keys inside the segment.
-template <int D, int NT = 2>
-OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[NT][4], bool mask, int32_t first_key, int valid,
-                                   const int32_t (&q_pos)[2], int j) {
-  if (mask) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int key = 8 * n + 2 * j + (c & 1);
-        if (key >= valid || first_key + key > q_pos[c >> 1]) s[n][c] = -INFINITY;
-      }
-    }
-  }
-  // Lazy running max (as in the decode kernel): moves only past +8 in log2 units.
+// The online-softmax update of this lane's scores p[n-tile][c] (c: {r, key 2j}, {r, 2j+1},
+// {r+8, 2j}, {r+8, 2j+1}; NT blocks of 8 keys), given relative to m_use, the running max of
+// their row (0 where there is none yet); masked keys are -inf. Lazy running max (as in the
+// decode kernel): it moves only when a score passes it by more than 8 (log2 units; where there
+// is none yet, any key moves it), and then o, l and offset are rescaled and the scores shifted
+// by the change (one more rounding of a value below 2^8, far under the fp16 rounding of P).
+// Leaves the probabilities in p.
+template <int D, int NT>
+OSCAR_DEVICE void relative_softmax_step(RowState<D>& st, float (&p)[NT][4], float (&m_use)[2]) {
   constexpr float kMaxGrowth = 8.0f;
   bool grow = false;
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) grow |= s[n][c] > st.m[c >> 1] + kMaxGrowth;
+    for (int c = 0; c < 4; ++c) grow |= p[n][c] > (st.m[c >> 1] == -INFINITY ? -INFINITY : kMaxGrowth);
   }
   if (__any_sync(kFullMask, grow)) {
     float alpha[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float tile_max = fmaxf(s[0][2 * i], s[0][2 * i + 1]);
+      float tile_max = fmaxf(p[0][2 * i], p[0][2 * i + 1]);
 #pragma unroll
-      for (int n = 1; n < NT; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+      for (int n = 1; n < NT; ++n) tile_max = fmaxf(tile_max, fmaxf(p[n][2 * i], p[n][2 * i + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
-      const float m_new = fmaxf(st.m[i], tile_max);
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // every key so far masked
-      alpha[i] = fast_exp2(st.m[i] - m_use);
+      const float m_new = fmaxf(st.m[i], m_use[i] + tile_max);  // all masked: -inf, m stays
+      const float m_new_use = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[i] = fast_exp2(st.m[i] - m_new_use);
       st.m[i] = m_new;
       st.l[i] *= alpha[i];
       st.offset[i] *= alpha[i];
+      const float shift = m_new_use - m_use[i];
+      m_use[i] = m_new_use;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        p[n][2 * i] -= shift;
+        p[n][2 * i + 1] -= shift;
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
@@ -163,17 +161,46 @@ OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[NT][4], bool mask
       st.o[nt][3] *= alpha[1];
     }
   }
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      p[n][c] = fast_exp2(p[n][c]);
+      st.l[c >> 1] += p[n][c];
+    }
+  }
+}
+
+// The causal and segment mask of this lane's scores: key 8n + 2j + (c & 1) of a tile starting
+// at position first_key, of which `valid` are inside the segment.
+template <int NT>
+OSCAR_DEVICE void mask_scores(float (&s)[NT][4], int32_t first_key, int valid, const int32_t (&q_pos)[2], int j) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int key = 8 * n + 2 * j + (c & 1);
+      if (key >= valid || first_key + key > q_pos[c >> 1]) s[n][c] = -INFINITY;
+    }
+  }
+}
+
+// Masks (where `mask`), runs the online-softmax update on this lane's absolute scores
+// s[n-tile][c] (log2 units; layout of relative_softmax_step: a 16-key tile, or a 64-key stage
+// of the warpgroup path) and leaves the probabilities in s.
+template <int D, int NT = 2>
+OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[NT][4], bool mask, int32_t first_key, int valid,
+                                   const int32_t (&q_pos)[2], int j) {
+  if (mask) mask_scores(s, first_key, valid, q_pos, j);
   float m_use[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) m_use[i] = st.m[i] == -INFINITY ? 0.0f : st.m[i];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      s[n][c] = fast_exp2(s[n][c] - m_use[c >> 1]);
-      st.l[c >> 1] += s[n][c];
-    }
+    for (int c = 0; c < 4; ++c) s[n][c] -= m_use[c >> 1];
   }
+  relative_softmax_step<D, NT>(st, s, m_use);
 }
 
 // The INT2 scores of NT blocks of 8 keys, and what the values need of them, for this lane's
@@ -597,9 +624,7 @@ OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t ope
 // The probabilities of one stage for this lane's scores (NT blocks of 8 keys, the layout of
 // row_softmax_step), computed relative to the running max in one fma chain per score:
 // s - m = q·c·s_k' + (o_k'·Σq - m), with s_k', o_k' the key metadata already scaled by
-// sm_scale·log2(e) (meta: the stage's float4 per key). The lazy max moves only past +8 (log2
-// units), as in row_softmax_step; when it moves, the stage's relative scores shift by the
-// change (one more rounding of a value below 2^8, far under the fp16 rounding of P).
+// sm_scale·log2(e) (meta: the stage's float4 per key), then relative_softmax_step.
 template <int D, int NT>
 OSCAR_DEVICE void int2_stage_probabilities(RowState<D>& st, const float (&acc)[NT][4], const float4* meta,
                                            const float (&qsum)[2], bool mask, int32_t first_key, int valid,
@@ -622,62 +647,8 @@ OSCAR_DEVICE void int2_stage_probabilities(RowState<D>& st, const float (&acc)[N
 #pragma unroll
     for (int c = 0; c < 4; ++c) p[n][c] = fmaf(acc[n][c], sk[n][c & 1], fmaf(ok[n][c & 1], qsum[c >> 1], -m_use[c >> 1]));
   }
-  if (mask) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int key = 8 * n + 2 * j + (c & 1);
-        if (key >= valid || first_key + key > q_pos[c >> 1]) p[n][c] = -INFINITY;
-      }
-    }
-  }
-  // Lazy running max: any score 8 above it moves it (where there is none yet, any key does).
-  constexpr float kMaxGrowth = 8.0f;
-  bool grow = false;
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) grow |= p[n][c] > (st.m[c >> 1] == -INFINITY ? -INFINITY : kMaxGrowth);
-  }
-  if (__any_sync(kFullMask, grow)) {
-    float alpha[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float tile_max = fmaxf(p[0][2 * i], p[0][2 * i + 1]);
-#pragma unroll
-      for (int n = 1; n < NT; ++n) tile_max = fmaxf(tile_max, fmaxf(p[n][2 * i], p[n][2 * i + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
-      const float m_new = fmaxf(st.m[i], m_use[i] + tile_max);  // all masked: -inf, m stays
-      const float m_new_use = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[i] = fast_exp2(st.m[i] - m_new_use);
-      st.m[i] = m_new;
-      st.l[i] *= alpha[i];
-      st.offset[i] *= alpha[i];
-      m_use[i] = m_new_use - m_use[i];  // now the shift of this row's scores
-    }
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) p[n][c] -= m_use[c >> 1];
-    }
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      st.o[nt][0] *= alpha[0];
-      st.o[nt][1] *= alpha[0];
-      st.o[nt][2] *= alpha[1];
-      st.o[nt][3] *= alpha[1];
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      p[n][c] = fast_exp2(p[n][c]);
-      st.l[c >> 1] += p[n][c];
-    }
-  }
+  if (mask) mask_scores(p, first_key, valid, q_pos, j);
+  relative_softmax_step<D, NT>(st, p, m_use);
 }
 
 // One stage (64 keys from key offset 0 of the stage, `valid` of them inside the chunk and
