@@ -411,31 +411,46 @@ template <int D>
 OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, const Int2HeadBlocks& blocks,
                                      int32_t tile0, int32_t limit, int tid) {
   using S = ExtendStage<D>;
+  constexpr int kCopies = S::kCodeChunks / kExtendThreads;
   static_assert(S::kCodeChunks % kExtendThreads == 0 && S::kMetaChunks <= kExtendThreads, "whole rounds of copies");
   const int32_t first_token = tile0 * kAttentionTileTokens;
+  // Every page id this thread needs is loaded before any copy is issued: one round trip for
+  // all of them (each copy behind its own lookup made three in a row per stage). A token past
+  // `limit` looks up the segment's token 0, which exists wherever a stage is issued, and
+  // copies nothing. Page offsets are 32-bit products (the launcher refuses strides >= 2 GiB).
+  // (Where a round of copies covers whole stages of K or V, every copy of a thread is the same
+  // token's, K's and V's: one lookup.)
+  constexpr bool kOneToken = kExtendThreads % (S::kKeys * S::kChunksPerRow) == 0;
+  int32_t token[kCopies], page[kCopies];
 #pragma unroll
-  for (int i = 0; i < S::kCodeChunks / kExtendThreads; ++i) {
+  for (int i = 0; i < kCopies; ++i) {
+    const int c = tid + kExtendThreads * i;
+    token[i] = first_token + (c / S::kChunksPerRow) % S::kKeys;
+    page[i] = kOneToken && i > 0 ? page[0] : seg.page_id(token[i] < limit ? token[i] : 0);
+  }
+  const bool meta_lane = tid < S::kMetaChunks;
+  const int meta_tensor = tid / (S::kKeys / 4);
+  const int meta_key = 4 * (tid % (S::kKeys / 4));  // 4 tokens of one page: pages hold >= 8
+  const int32_t meta_token = first_token + meta_key;
+  const bool meta_copy = meta_lane && meta_token < limit;
+  const int32_t meta_page = meta_copy ? seg.page_id(meta_token) : 0;
+#pragma unroll
+  for (int i = 0; i < kCopies; ++i) {
     const int c = tid + kExtendThreads * i;
     const int tensor = c / (S::kKeys * S::kChunksPerRow);
     const int key = (c / S::kChunksPerRow) % S::kKeys;
     const int part = (c % S::kChunksPerRow) * 16;
-    const int32_t token = first_token + key;
-    if (token < limit) {
-      const uint8_t* pool = tensor == 0 ? blocks.k : blocks.v;
-      const int64_t stride = tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page;
-      cp_async16(stage + tensor * S::kCodes + key * S::kRowBytes + part,
-                 pool + seg.page_id(token) * stride + seg.slot(token) * S::kRowBytes + part);
-    }
+    const uint8_t* pool = tensor == 0 ? blocks.k : blocks.v;
+    const int32_t stride = static_cast<int32_t>(tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page);
+    cp_async16_if(token[i] < limit, stage + tensor * S::kCodes + key * S::kRowBytes + part,
+                  pool + mul_wide(page[i], stride) + seg.slot(token[i]) * S::kRowBytes + part);
   }
-  if (tid < S::kMetaChunks) {
-    const int tensor = tid / (S::kKeys / 4);
-    const int key = 4 * (tid % (S::kKeys / 4));  // 4 tokens of one page: pages hold >= 8
-    const int32_t token = first_token + key;
-    const uint32_t dst = stage + S::kKMeta + tensor * 4 * S::kKeys + 4 * key;
-    if (token < limit) {
-      const uint8_t* pool = tensor == 0 ? blocks.k : blocks.v;
-      const int64_t stride = tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page;
-      cp_async16(dst, pool + seg.page_id(token) * stride + blocks.meta_offset + seg.slot(token) * 4);
+  if (meta_lane) {
+    const uint32_t dst = stage + S::kKMeta + meta_tensor * 4 * S::kKeys + 4 * meta_key;
+    if (meta_copy) {
+      const uint8_t* pool = meta_tensor == 0 ? blocks.k : blocks.v;
+      const int32_t stride = static_cast<int32_t>(meta_tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page);
+      cp_async16(dst, pool + mul_wide(meta_page, stride) + blocks.meta_offset + seg.slot(meta_token) * 4);
     } else {
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst), "r"(0u) : "memory");
     }
