@@ -33,11 +33,12 @@ inline constexpr int kAttentionTileColumns = 8;
 // (rows = query tokens x GQA group; default kAttentionRowTiledMinRows) run the row-tiled
 // extend kernel instead: 64 rows per block, queries in the MMA's M dimension, so a block reads
 // each key tile once for all its rows (extend_attention.cuh), at head dims up to
-// kAttentionRowTiledMaxHeadDim. Below the default threshold the column kernel was faster on
-// the H200 (32K prefix, g = 4: 16 rows 75 vs 104 us, 64 rows 129 vs 156 us; 256 rows 403 vs
-// 267 us, docs/benchmarks.md).
+// kAttentionRowTiledMaxHeadDim. The threshold sits between the measured points (H100, 32K
+// prefix, g = 4, docs/benchmarks.md): at 32 rows the column kernel is faster (60.6 vs 70.4
+// us), at 64 the row-tiled one (74.4 vs 93.9 us; the column kernel grows ~1 us per row, the
+// row-tiled one is nearly flat below one 64-row tile), so they cross near 43 rows.
 inline constexpr int kAttentionRowTile = 64;
-inline constexpr int kAttentionRowTiledMinRows = 64;
+inline constexpr int kAttentionRowTiledMinRows = 48;
 inline constexpr int kAttentionRowTiledMaxHeadDim = 128;
 
 struct AttentionShape {
