@@ -171,6 +171,14 @@ OSCAR_DEVICE void relative_softmax_step(RowState<D>& st, float (&p)[NT][4], floa
   }
 }
 
+// The base relative_softmax_step's scores are given against: each row's running max, or 0
+// where there is none yet.
+template <int D>
+OSCAR_DEVICE void running_max_base(const RowState<D>& st, float (&m_use)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) m_use[i] = st.m[i] == -INFINITY ? 0.0f : st.m[i];
+}
+
 // The causal and segment mask of this lane's scores: key 8n + 2j + (c & 1) of a tile starting
 // at position first_key, of which `valid` are inside the segment.
 template <int NT>
@@ -186,15 +194,14 @@ OSCAR_DEVICE void mask_scores(float (&s)[NT][4], int32_t first_key, int valid, c
 }
 
 // Masks (where `mask`), runs the online-softmax update on this lane's absolute scores
-// s[n-tile][c] (log2 units; layout of relative_softmax_step: a 16-key tile, or a 64-key stage
-// of the warpgroup path) and leaves the probabilities in s.
+// s[n-tile][c] (log2 units; layout of relative_softmax_step: the mma.sync path's 16-key INT2
+// tiles and both paths' BF16 tiles) and leaves the probabilities in s.
 template <int D, int NT = 2>
 OSCAR_DEVICE void row_softmax_step(RowState<D>& st, float (&s)[NT][4], bool mask, int32_t first_key, int valid,
                                    const int32_t (&q_pos)[2], int j) {
   if (mask) mask_scores(s, first_key, valid, q_pos, j);
   float m_use[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) m_use[i] = st.m[i] == -INFINITY ? 0.0f : st.m[i];
+  running_max_base(st, m_use);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -434,23 +441,24 @@ OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, co
   const int32_t meta_token = first_token + meta_key;
   const bool meta_copy = meta_lane && meta_token < limit;
   const int32_t meta_page = meta_copy ? seg.page_id(meta_token) : 0;
+  // The block of page `page` in K's (tensor 0) or V's pool.
+  auto page_block = [&](int tensor, int32_t page) {
+    return (tensor == 0 ? blocks.k : blocks.v) +
+           mul_wide(page, static_cast<int32_t>(tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page));
+  };
 #pragma unroll
   for (int i = 0; i < kCopies; ++i) {
     const int c = tid + kExtendThreads * i;
     const int tensor = c / (S::kKeys * S::kChunksPerRow);
     const int key = (c / S::kChunksPerRow) % S::kKeys;
     const int part = (c % S::kChunksPerRow) * 16;
-    const uint8_t* pool = tensor == 0 ? blocks.k : blocks.v;
-    const int32_t stride = static_cast<int32_t>(tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page);
     cp_async16_if(token[i] < limit, stage + tensor * S::kCodes + key * S::kRowBytes + part,
-                  pool + mul_wide(page[i], stride) + seg.slot(token[i]) * S::kRowBytes + part);
+                  page_block(tensor, page[i]) + seg.slot(token[i]) * S::kRowBytes + part);
   }
   if (meta_lane) {
     const uint32_t dst = stage + S::kKMeta + meta_tensor * 4 * S::kKeys + 4 * meta_key;
     if (meta_copy) {
-      const uint8_t* pool = meta_tensor == 0 ? blocks.k : blocks.v;
-      const int32_t stride = static_cast<int32_t>(meta_tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page);
-      cp_async16(dst, pool + mul_wide(meta_page, stride) + blocks.meta_offset + seg.slot(meta_token) * 4);
+      cp_async16(dst, page_block(meta_tensor, meta_page) + blocks.meta_offset + seg.slot(meta_token) * 4);
     } else {
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst), "r"(0u) : "memory");
     }
@@ -637,7 +645,7 @@ OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t ope
 }
 
 // The probabilities of one stage for this lane's scores (NT blocks of 8 keys, the layout of
-// row_softmax_step), computed relative to the running max in one fma chain per score:
+// relative_softmax_step), computed relative to the running max in one fma chain per score:
 // s - m = q·c·s_k' + (o_k'·Σq - m), with s_k', o_k' the key metadata already scaled by
 // sm_scale·log2(e) (meta: the stage's float4 per key), then relative_softmax_step.
 template <int D, int NT>
@@ -655,8 +663,7 @@ OSCAR_DEVICE void int2_stage_probabilities(RowState<D>& st, const float (&acc)[N
     }
   }
   float m_use[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) m_use[i] = st.m[i] == -INFINITY ? 0.0f : st.m[i];
+  running_max_base(st, m_use);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -1014,6 +1021,28 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   }
 }
 
+// Channel i = tid % D of rows part, part + P, ... (part = tid / D, P = kThreads / D) of x·M,
+// with x's rows (D floats each) and M ([k][i], D x D) in shared memory: all of a thread's rows
+// at once, one load of M per k and a float4 of each row per 4 k (a row at a time was one chain
+// of D dependent fmas per row), the fmas in k order (the CPU reference's).
+template <int D, int kThreads, int kRows>
+OSCAR_DEVICE void rows_times_matrix(const float* x, const float* m, int tid, float (&out)[kRows / (kThreads / D)]) {
+  constexpr int kParts = kThreads / D;
+  static_assert(kThreads % D == 0 && kRows % kParts == 0, "whole rows per thread");
+  const int i = tid % D, part = tid / D;
+#pragma unroll
+  for (int rr = 0; rr < kRows / kParts; ++rr) out[rr] = 0.0f;
+#pragma unroll 2
+  for (int k = 0; k < D; k += 4) {
+    const float m0 = m[k * D + i], m1 = m[(k + 1) * D + i], m2 = m[(k + 2) * D + i], m3 = m[(k + 3) * D + i];
+#pragma unroll
+    for (int rr = 0; rr < kRows / kParts; ++rr) {
+      const float4 v = *reinterpret_cast<const float4*>(x + (part + rr * kParts) * D + k);
+      out[rr] = fmaf(v.w, m3, fmaf(v.z, m2, fmaf(v.y, m1, fmaf(v.x, m0, out[rr]))));
+    }
+  }
+}
+
 // Merges the chunks of a (request, row tile) exactly (weights 2^(lse_k - lse)), un-rotates
 // by R_Vᵀ and writes bf16 o and the natural-log lse. Grid: items x KV heads x (64 / 16) row
 // groups; blocks of items that are not the first chunk of their tile return at once. R_V is
@@ -1129,27 +1158,13 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
 #pragma unroll
   for (int e = 0; e < kPerThread; ++e) o[tid + e * kMergeThreads] = acc[e];
   __syncthreads();
-  // Thread (i, part): output channel i of rows part, part + P, ... (P = threads / D), all its
-  // rows at once: one R_V load per k and a float4 of o per 4 k (a row at a time was one chain
-  // of D dependent fmas per row).
+  // Thread (i, part): output channel i of rows part, part + P, ... (P = threads / D).
   constexpr int kParts = kMergeThreads / D;
   constexpr int kRowsPerThread = kMergeRows / kParts;
-  static_assert(kMergeThreads % D == 0 && kMergeRows % kParts == 0, "whole rows per thread");
   const int i = tid % D, part = tid / D;
   float out[kRowsPerThread];
   if (p.output_unrotation) {
-#pragma unroll
-    for (int rr = 0; rr < kRowsPerThread; ++rr) out[rr] = 0.0f;
-#pragma unroll 2
-    for (int k = 0; k < D; k += 4) {
-      const float r0 = rot_t[k * D + i], r1 = rot_t[(k + 1) * D + i];
-      const float r2 = rot_t[(k + 2) * D + i], r3 = rot_t[(k + 3) * D + i];
-#pragma unroll
-      for (int rr = 0; rr < kRowsPerThread; ++rr) {
-        const float4 v = *reinterpret_cast<const float4*>(o + (part + rr * kParts) * D + k);
-        out[rr] = fmaf(v.w, r3, fmaf(v.z, r2, fmaf(v.y, r1, fmaf(v.x, r0, out[rr]))));
-      }
-    }
+    rows_times_matrix<D, kMergeThreads, kMergeRows>(o, rot_t, tid, out);
   } else {
 #pragma unroll
     for (int rr = 0; rr < kRowsPerThread; ++rr) out[rr] = o[(part + rr * kParts) * D + i];
@@ -1212,22 +1227,12 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_queries_kernel(const bf
 #pragma unroll
   for (int e = 0; e < kRotationLoads; ++e) reinterpret_cast<float4*>(rs)[threadIdx.x + e * kRotateThreads] = r[e];
   __syncthreads();
-  // Thread (i, part): channel i of rows part, part + P, ... (P = threads / D); a float4 of each
-  // q row per 4 k, the fmas in k order (the CPU reference's).
+  // Thread (i, part): channel i of rows part, part + P, ... (P = threads / D).
   constexpr int kParts = kRotateThreads / D;
   constexpr int kRowsPerThread = kRotateRows / kParts;
-  static_assert(kRotateThreads % D == 0 && kRotateRows % kParts == 0, "whole rows per thread");
   const int i = threadIdx.x % D, part = threadIdx.x / D;
-  float acc[kRowsPerThread] = {};
-#pragma unroll 2
-  for (int k = 0; k < D; k += 4) {
-    const float r0 = rs[k * D + i], r1 = rs[(k + 1) * D + i], r2 = rs[(k + 2) * D + i], r3 = rs[(k + 3) * D + i];
-#pragma unroll
-    for (int rr = 0; rr < kRowsPerThread; ++rr) {
-      const float4 v = *reinterpret_cast<const float4*>(qs + (part + rr * kParts) * D + k);
-      acc[rr] = fmaf(v.w, r3, fmaf(v.z, r2, fmaf(v.y, r1, fmaf(v.x, r0, acc[rr]))));
-    }
-  }
+  float acc[kRowsPerThread];
+  rows_times_matrix<D, kRotateThreads, kRotateRows>(qs, rs, threadIdx.x, acc);
 #pragma unroll
   for (int rr = 0; rr < kRowsPerThread; ++rr) {
     const int64_t row = row0 + part + rr * kParts;
