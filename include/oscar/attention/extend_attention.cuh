@@ -65,20 +65,31 @@ inline constexpr int kExtendMinBlocks = 2;
 inline constexpr int kExtendMinBlocks = 3;
 #endif
 
-// One pipeline stage: K codes [keys][D/4], V codes [keys][D/4], K meta [keys], V meta [keys].
+// One pipeline stage: K codes [keys][D/4], V codes [keys / 8][9][D/4] (a pad row after every 8
+// keys), K meta [keys], 64 bytes of pad, V meta [keys].
+// The pads are for the shared-memory banks: the warpgroup path's V^T unpack has the 4 groups of
+// 8 keys of a warp read the same word of a row, which without the pad row sit 8 rows (a
+// multiple of 128 bytes) apart, a 4-way conflict on every load (ncu, H200: 30 % of the extend
+// kernel's shared-load wavefronts were conflicts); and a key's K and V metadata, converted by
+// neighbouring threads, sat 4·keys bytes apart, on the same bank.
 template <int D>
 struct ExtendStage {
   static constexpr int kKeys = kAttentionTileTokens * kExtendStageTiles;
   static constexpr int kRowBytes = D / 4;
   static constexpr int kCodes = kKeys * kRowBytes;
   static constexpr int kVCodes = kCodes;
-  static constexpr int kKMeta = 2 * kCodes;
-  static constexpr int kVMeta = kKMeta + 4 * kKeys;
+  static constexpr int kVGroupBytes = 9 * kRowBytes;  // 8 value rows and the pad row
+  static constexpr int kKMeta = kVCodes + kKeys / 8 * kVGroupBytes;
+  static constexpr int kVMeta = kKMeta + 4 * kKeys + 64;
   static constexpr int kBytes = kVMeta + 4 * kKeys;
+  // Byte offset of the value row of `key` (0 .. kKeys - 1) in the stage.
+  OSCAR_HOST_DEVICE static constexpr int v_row(int key) {
+    return kVCodes + (key / 8) * kVGroupBytes + (key % 8) * kRowBytes;
+  }
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kCodeChunks = 2 * kKeys * kChunksPerRow;  // K and V
   static constexpr int kMetaChunks = 2 * kKeys / 4;              // 4 tokens' words per 16 bytes
-  static_assert(kRowBytes % 16 == 0, "whole 16-byte chunks per row");
+  static_assert(kRowBytes % 16 == 0 && kKMeta % 16 == 0 && kBytes % 16 == 0, "whole 16-byte chunks");
 };
 
 // Shared memory of one block. q stays in shared memory (the registers go to o): the fp16
@@ -291,7 +302,7 @@ OSCAR_DEVICE void extend_int2_tile(RowState<D>& st, const uint4* qa, const float
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const unsigned char* p = stage + S::kVCodes + (kb + 8 * half + 2 * j + t) * S::kRowBytes + r * Raw::kVBytes;
+      const unsigned char* p = stage + S::v_row(kb + 8 * half + 2 * j + t) + r * Raw::kVBytes;
       if constexpr (Raw::kVBytes == 2) {
         vw[2 * half + t][0] = *reinterpret_cast<const unsigned short*>(p);
       } else {
@@ -452,11 +463,11 @@ OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, co
     const int tensor = c / (S::kKeys * S::kChunksPerRow);
     const int key = (c / S::kChunksPerRow) % S::kKeys;
     const int part = (c % S::kChunksPerRow) * 16;
-    cp_async16_if(token[i] < limit, stage + tensor * S::kCodes + key * S::kRowBytes + part,
+    cp_async16_if(token[i] < limit, stage + (tensor == 0 ? key * S::kRowBytes : S::v_row(key)) + part,
                   page_block(tensor, page[i]) + seg.slot(token[i]) * S::kRowBytes + part);
   }
   if (meta_lane) {
-    const uint32_t dst = stage + S::kKMeta + meta_tensor * 4 * S::kKeys + 4 * meta_key;
+    const uint32_t dst = stage + (meta_tensor == 0 ? S::kKMeta : S::kVMeta) + 4 * meta_key;
     if (meta_copy) {
       cp_async16(dst, page_block(meta_tensor, meta_page) + blocks.meta_offset + seg.slot(meta_token) * 4);
     } else {
@@ -572,7 +583,7 @@ OSCAR_DEVICE void unpack_value_columns(const unsigned char* stage, uint32_t vt, 
   const int word = (value_byte<D>(n, kHalf * kTiles)) / 4;
   uint32_t w[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) w[i] = *reinterpret_cast<const uint32_t*>(stage + S::kVCodes + (8 * kg + i) * S::kRowBytes + 4 * word);
+  for (int i = 0; i < 8; ++i) w[i] = *reinterpret_cast<const uint32_t*>(stage + S::v_row(8 * kg + i) + 4 * word);
 #pragma unroll
   for (int t = 0; t < kTiles; ++t) {
     const int nt = kHalf * kTiles + t;
@@ -612,8 +623,14 @@ OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t ope
   }
   {
     // K': words [part·D/32, ...) of key `key`, two words per 16-byte chunk of each field.
+    // Threads 16h .. 16h + 15 take keys 8h .. 8h + 7, both halves: the first 8 keys 0-3 of
+    // half 0 and keys 4-7 of half 1, the next 8 the others. So every 8 threads (a phase of a
+    // 16-byte access) load 8 different 16-byte columns of 4 rows (no bank twice; key-major
+    // threads read rows 32 bytes apart, a 2-way conflict at d = 128) and store to 8 different
+    // rows of a core matrix (the store's bank is set by key % 8 alone).
     constexpr int kWords = D / 32;
-    const int key = tid % int(W::kKeys), part = tid / int(W::kKeys);
+    const int i8 = tid % 8, phase = tid / 8;
+    const int key = 8 * (phase / 2) + i8, part = (i8 / 4) ^ (phase % 2);
     uint32_t w[kWords];
     load_words<false>(stage + key * S::kRowBytes + part * 4 * kWords, w);
 #pragma unroll
