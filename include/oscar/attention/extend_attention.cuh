@@ -100,10 +100,15 @@ struct ExtendLayout {
   static constexpr size_t q_f16 = q_rows + sizeof(float) * kExtendRows * D;  // uint4 [warps][D/16][32]
   static constexpr size_t stages = q_f16 + sizeof(uint4) * kExtendWarps * (D / 16) * 32;
   static constexpr size_t stats = stages + size_t{kExtendStages} * ExtendStage<D>::kBytes;  // float [2][warps][16]
-  // float4 [stage keys]: the landed stage's key and value metadata in float, the key's scaled
-  // by sm_scale·log2(e) (the warpgroup path; converted once per key, not once per lane).
+  // float4 [stage keys]: a stage's key and value metadata in float, the key's scaled by
+  // sm_scale·log2(e) (the warpgroup path; converted once per key, not once per lane).
   static constexpr size_t int2_meta = stats + sizeof(float) * 2 * kExtendWarps * 16;
   static constexpr size_t bytes = int2_meta + sizeof(float4) * ExtendStage<D>::kKeys;
+  // The warpgroup path's operands of a stage (K' and V^T, fp16), which overlay the q rows. Its
+  // second buffer (and a second metadata array) is static shared memory in that kernel: the
+  // host pass, which sizes the dynamic part, cannot tell an sm_90a device build from another.
+  static constexpr size_t operand_bytes = size_t{4} * ExtendStage<D>::kKeys * D;
+  static_assert(operand_bytes <= sizeof(float) * kExtendRows * D, "the first operand buffer overlays the q rows");
 };
 
 struct ExtendArgs {
@@ -690,24 +695,30 @@ OSCAR_DEVICE void int2_stage_probabilities(RowState<D>& st, const float (&acc)[N
   relative_softmax_step<D, NT>(st, p, m_use);
 }
 
-// One stage (64 keys from key offset 0 of the stage, `valid` of them inside the chunk and
-// segment) for the warpgroup's 64 rows; meta: the stage's converted metadata.
+// The score MMAs of one stage, issued and committed as one wgmma group, not waited for:
+// acc = 2^-24·q·c (K' holds the codes as fp16 subnormals 4^k·c·2^-24, q' is q·4^-k), no bias to
+// start from or cancel; s_k' carries the 2^24.
 template <int D>
-OSCAR_DEVICE void extend_int2_stage(RowState<D>& st, uint64_t q_desc, uint64_t k_desc, uint64_t v_desc,
-                                    const float (&qsum)[2], const float4* meta, bool mask, int32_t first_key,
-                                    int valid, const int32_t (&q_pos)[2], int lane) {
-  constexpr int kBlocks = ExtendStage<D>::kKeys / 8;  // 8-key blocks of S
-  const int j = lane % 4;
-  // acc = 2^-24·q·c (K' holds the codes as fp16 subnormals 4^k·c·2^-24, q' is q·4^-k): no
-  // bias to start from or cancel; s_k' carries the 2^24.
-  float acc[kBlocks][4];
+OSCAR_DEVICE void issue_stage_scores(float (&acc)[ExtendStage<D>::kKeys / 8][4], uint64_t q_desc, uint64_t k_desc) {
   ptx::wgmma_fence();
   ptx::wgmma_m64n64k16_ss_first(acc, q_desc, k_desc);
 #pragma unroll
   for (int s = 1; s < D / 16; ++s) ptx::wgmma_m64n64k16_ss(acc, q_desc + 16 * s, k_desc + 16 * s);  // +256 bytes
   ptx::wgmma_commit();
-  ptx::wgmma_wait<0>();
-  ptx::wgmma_fence_operands(acc);
+}
+
+// The rest of one stage (64 keys from key offset 0 of the stage, `valid` of them inside the
+// chunk and segment) for the warpgroup's 64 rows, once its scores have landed in acc: the
+// online softmax, then O += P'·V issued as one wgmma group and not waited for (its A operand
+// stays in pa, which must not change before that group completes). meta: the stage's
+// converted metadata.
+template <int D>
+OSCAR_DEVICE void issue_stage_values(RowState<D>& st, const float (&acc)[ExtendStage<D>::kKeys / 8][4],
+                                     uint32_t (&pa)[ExtendStage<D>::kKeys / 16][4], uint64_t v_desc,
+                                     const float (&qsum)[2], const float4* meta, bool mask, int32_t first_key,
+                                     int valid, const int32_t (&q_pos)[2], int lane) {
+  constexpr int kBlocks = ExtendStage<D>::kKeys / 8;  // 8-key blocks of S
+  const int j = lane % 4;
   float pr[kBlocks][4], sv[kBlocks][2], ov[kBlocks][2];
   int2_stage_probabilities<D, kBlocks>(st, acc, meta, qsum, mask, first_key, valid, q_pos, j, pr);
 #pragma unroll
@@ -719,7 +730,6 @@ OSCAR_DEVICE void extend_int2_stage(RowState<D>& st, uint64_t q_desc, uint64_t k
       ov[n][e] = m.y;
     }
   }
-  uint32_t pa[kBlocks / 2][4];
   int2_value_inputs<D>(st, pr, sv, ov, pa);
   ptx::wgmma_fence_operands(st.o);
   ptx::wgmma_fence();
@@ -732,8 +742,18 @@ OSCAR_DEVICE void extend_int2_stage(RowState<D>& st, uint64_t q_desc, uint64_t k
     }
   }
   ptx::wgmma_commit();
-  ptx::wgmma_wait<0>();
-  ptx::wgmma_fence_operands(st.o);
+}
+
+// After a wait that completed the value MMAs reading pa: pa's registers may change from here
+// (an empty asm that reads and writes them, so the compiler neither frees nor reuses them
+// before this point).
+template <int N>
+OSCAR_DEVICE void release_value_operands(uint32_t (&pa)[N][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N; ++kk) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e])::"memory");
+  }
 }
 #endif  // OSCAR_HAS_WGMMA
 
@@ -890,6 +910,11 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     const int32_t groups = (end - begin + kExtendStageTiles - 1) / kExtendStageTiles;
     const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
     const uint32_t stage0 = smem_address(stages);
+    // The second operand buffer and metadata array (ExtendLayout).
+    __shared__ __align__(128) struct {
+      unsigned char operands[L::operand_bytes];
+      float4 meta[ExtendStage<D>::kKeys];
+    } second;
     if (begin < end) {
 #pragma unroll
       for (int k = 0; k < kExtendStages - 1; ++k) {
@@ -900,31 +925,66 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     bf16_segment(sink, 0);
     bf16_segment(recent, sink_tiles + body_tiles);
     if (begin < end) {
+      // Software pipeline over two operand buffers: stage gi's score MMAs run while the block
+      // unpacks stage gi + 1 into the other buffer, and its value MMAs while the next stage's
+      // scores are issued and the stage after is unpacked; only the softmax waits for the
+      // tensor cores (one stage at a time in one buffer made every phase wait for the last).
       using W = ExtendWgmma<D>;
-      const uint32_t operands = smem_address(q_rows);
+      constexpr int kBlocks = W::kKeys / 8;
+      // Buffer b at operands0 + b·buffer_step (arithmetic, not an array a runtime b would index
+      // in local memory).
+      const uint32_t operands0 = smem_address(q_rows), buffer_step = smem_address(second.operands) - operands0;
+      auto operands = [&](int b) { return operands0 + b * buffer_step; };
       const uint64_t q_desc = ptx::wgmma_descriptor(smem_address(smem + L::q_f16), 128, W::kRowGroupBytes);
-      const uint64_t k_desc = ptx::wgmma_descriptor(operands + W::kK, 128, W::kRowGroupBytes);
-      const uint64_t v_desc = ptx::wgmma_descriptor(operands + W::kV, 128, W::kVRowGroupBytes);
-      const float4* int2_meta = reinterpret_cast<const float4*>(smem + L::int2_meta);
+      const float4* const meta0 = reinterpret_cast<const float4*>(smem + L::int2_meta);
+      auto meta = [&](int b) { return b ? second.meta : meta0; };
+      auto k_desc = [&](int b) { return ptx::wgmma_descriptor(operands(b) + W::kK, 128, W::kRowGroupBytes); };
+      auto v_desc = [&](int b) { return ptx::wgmma_descriptor(operands(b) + W::kV, 128, W::kVRowGroupBytes); };
+      auto stage_at = [&](int32_t gi) { return stages + (gi % kExtendStages) * S::kBytes; };
+      auto issue_stage = [&](int32_t gi) {
+        issue_extend_stage<D>(stage0 + (gi % kExtendStages) * S::kBytes, body, blocks, begin + gi * kExtendStageTiles,
+                              gi < groups ? limit : 0, tid);
+      };
       scale_value_units<D>(st, true);
+      // Stage 0 into buffer 0, which overlays the q rows: every warp is done with them (the
+      // BF16 tiles) at the barrier.
+      cp_async_wait<kExtendStages - 2>();
+      __syncthreads();
+      issue_stage(kExtendStages - 1);
+      unpack_stage_operands<D>(stage_at(0), operands(0), smem_address(meta(0)), scale2, tid);
+      ptx::fence_proxy_async_shared();  // the stores (and q') visible to wgmma
+      __syncthreads();
+      uint32_t pa[kBlocks / 2][4] = {};  // P' of the stage whose value MMAs are in flight
       for (int32_t gi = 0; gi < groups; ++gi) {
-        cp_async_wait<kExtendStages - 2>();
-        // Stage gi has landed for every thread; the warpgroup is done with the operands of
-        // gi - 1 (at gi = 0: every warp with the q rows they overlay).
-        __syncthreads();
-        const int32_t next = gi + kExtendStages - 1;
-        issue_extend_stage<D>(stage0 + (next % kExtendStages) * S::kBytes, body, blocks,
-                              begin + next * kExtendStageTiles, next < groups ? limit : 0, tid);
-        const unsigned char* stage = stages + (gi % kExtendStages) * S::kBytes;
-        unpack_stage_operands<D>(stage, operands, smem_address(int2_meta), scale2, tid);
-        ptx::fence_proxy_async_shared();  // the stores (and q', at gi = 0) visible to wgmma
-        __syncthreads();
+        const int b = gi & 1;
+        float acc[kBlocks][4];
+        issue_stage_scores<D>(acc, q_desc, k_desc(b));
+        if (gi + 1 < groups) {
+          // Buffer b ^ 1 is the one stage gi - 1's value MMAs read: this warp's are done after
+          // the wait, every warp's after the barrier, which also sees stage gi + 1 landed.
+          ptx::wgmma_wait<1>();
+          release_value_operands(pa);
+          cp_async_wait<kExtendStages - 2>();
+          __syncthreads();
+          issue_stage(gi + kExtendStages);  // into the ring slot of stage gi, unpacked before
+          unpack_stage_operands<D>(stage_at(gi + 1), operands(b ^ 1), smem_address(meta(b ^ 1)), scale2, tid);
+          ptx::fence_proxy_async_shared();
+        }
+        ptx::wgmma_wait<0>();
+        release_value_operands(pa);
+        ptx::wgmma_fence_operands(acc);
+        ptx::wgmma_fence_operands(st.o);
         const int32_t t0 = (begin + gi * kExtendStageTiles) * kAttentionTileTokens;
         const int valid = min(limit - t0, int(W::kKeys));
         const int32_t first_key = body.start + t0;
         const bool mask = valid < int(W::kKeys) || first_key + int(W::kKeys) - 1 > warp_min_pos;
-        extend_int2_stage<D>(st, q_desc, k_desc, v_desc, qsum, int2_meta, mask, first_key, valid, q_pos, lane);
+        issue_stage_values<D>(st, acc, pa, v_desc(b), qsum, meta(b), mask, first_key, valid, q_pos, lane);
+        // The next buffer's stores (every thread's) visible before its score MMAs read it.
+        __syncthreads();
       }
+      ptx::wgmma_wait<0>();
+      release_value_operands(pa);
+      ptx::wgmma_fence_operands(st.o);
       cp_async_wait<0>();
       scale_value_units<D>(st, false);
     }
