@@ -100,10 +100,11 @@ struct ExtendLayout {
   static constexpr size_t q_f16 = q_rows + sizeof(float) * kExtendRows * D;  // uint4 [warps][D/16][32]
   static constexpr size_t stages = q_f16 + sizeof(uint4) * kExtendWarps * (D / 16) * 32;
   static constexpr size_t stats = stages + size_t{kExtendStages} * ExtendStage<D>::kBytes;  // float [2][warps][16]
-  // float4 [stage keys]: a stage's key and value metadata in float, the key's scaled by
-  // sm_scale·log2(e) (the warpgroup path; converted once per key, not once per lane).
+  // float2 [2][stage keys]: a stage's key, then value metadata (scale, offset) in float, the
+  // key's scaled by sm_scale·log2(e) (the warpgroup path; converted once per key, not once per
+  // lane). Keys 2j, 2j + 1 of a lane are one 16-byte load.
   static constexpr size_t int2_meta = stats + sizeof(float) * 2 * kExtendWarps * 16;
-  static constexpr size_t bytes = int2_meta + sizeof(float4) * ExtendStage<D>::kKeys;
+  static constexpr size_t bytes = int2_meta + sizeof(float2) * 2 * ExtendStage<D>::kKeys;
   // The warpgroup path's operands of a stage (K' and V^T, fp16), which overlay the q rows. Its
   // second buffer (and a second metadata array) is static shared memory in that kernel: the
   // host pass, which sizes the dynamic part, cannot tell an sm_90a device build from another.
@@ -613,16 +614,16 @@ OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t ope
   using S = ExtendStage<D>;
   using W = ExtendWgmma<D>;
   {
-    // Metadata: thread 2·key + 0 converts the key's (scale, offset), 2·key + 1 the value's,
-    // into the key's float4 {s_k', o_k', s_v, o_v}: s_k' = s_k·sm_scale·log2(e)·2^24 (the
-    // subnormal codes' unit, exact), o_k' = o_k·sm_scale·log2(e).
+    // Metadata: thread 2·key + 0 converts the key's (scale, offset) into {s_k', o_k'} at
+    // float2 key, 2·key + 1 the value's into {s_v, o_v} at float2 kKeys + key: s_k' =
+    // s_k·sm_scale·log2(e)·2^24 (the subnormal codes' unit, exact), o_k' = o_k·sm_scale·log2(e).
     static_assert(kExtendThreads == 2 * S::kKeys);
     const int key = tid / 2, is_value = tid % 2;
     const float2 f = __half22float2(bits_half2(
         *reinterpret_cast<const uint32_t*>(stage + (is_value ? S::kVMeta : S::kKMeta) + 4 * key)));
     const float scale = is_value ? 1.0f : scale2;
     const float code_unit = is_value ? 1.0f : float(1 << 24);
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(meta + 16 * key + 8 * is_value), "f"(f.x * scale * code_unit),
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(meta + 8 * (key + is_value * S::kKeys)), "f"(f.x * scale * code_unit),
                  "f"(f.y * scale)
                  : "memory");
   }
@@ -669,20 +670,16 @@ OSCAR_DEVICE void unpack_stage_operands(const unsigned char* stage, uint32_t ope
 // The probabilities of one stage for this lane's scores (NT blocks of 8 keys, the layout of
 // relative_softmax_step), computed relative to the running max in one fma chain per score:
 // s - m = q·c·s_k' + (o_k'·Σq - m), with s_k', o_k' the key metadata already scaled by
-// sm_scale·log2(e) (meta: the stage's float4 per key), then relative_softmax_step.
+// sm_scale·log2(e) (meta: the stage's key metadata, a float2 per key), then relative_softmax_step.
 template <int D, int NT>
-OSCAR_DEVICE void int2_stage_probabilities(RowState<D>& st, const float (&acc)[NT][4], const float4* meta,
+OSCAR_DEVICE void int2_stage_probabilities(RowState<D>& st, const float (&acc)[NT][4], const float2* meta,
                                            const float (&qsum)[2], bool mask, int32_t first_key, int valid,
                                            const int32_t (&q_pos)[2], int j, float (&p)[NT][4]) {
   float sk[NT][2], ok[NT][2];  // (the value halves are read later: fewer registers live here)
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float2 m = *reinterpret_cast<const float2*>(meta + 8 * n + 2 * j + e);
-      sk[n][e] = m.x;
-      ok[n][e] = m.y;
-    }
+    const float4 m = *reinterpret_cast<const float4*>(meta + 8 * n + 2 * j);  // keys 8n + 2j, 8n + 2j + 1
+    sk[n][0] = m.x, ok[n][0] = m.y, sk[n][1] = m.z, ok[n][1] = m.w;
   }
   float m_use[2];
   running_max_base(st, m_use);
@@ -715,7 +712,7 @@ OSCAR_DEVICE void issue_stage_scores(float (&acc)[ExtendStage<D>::kKeys / 8][4],
 template <int D>
 OSCAR_DEVICE void issue_stage_values(RowState<D>& st, const float (&acc)[ExtendStage<D>::kKeys / 8][4],
                                      uint32_t (&pa)[ExtendStage<D>::kKeys / 16][4], uint64_t v_desc,
-                                     const float (&qsum)[2], const float4* meta, bool mask, int32_t first_key,
+                                     const float (&qsum)[2], const float2* meta, bool mask, int32_t first_key,
                                      int valid, const int32_t (&q_pos)[2], int lane) {
   constexpr int kBlocks = ExtendStage<D>::kKeys / 8;  // 8-key blocks of S
   const int j = lane % 4;
@@ -723,12 +720,8 @@ OSCAR_DEVICE void issue_stage_values(RowState<D>& st, const float (&acc)[ExtendS
   int2_stage_probabilities<D, kBlocks>(st, acc, meta, qsum, mask, first_key, valid, q_pos, j, pr);
 #pragma unroll
   for (int n = 0; n < kBlocks; ++n) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float2 m = reinterpret_cast<const float2*>(meta + 8 * n + 2 * j + e)[1];
-      sv[n][e] = m.x;
-      ov[n][e] = m.y;
-    }
+    const float4 m = *reinterpret_cast<const float4*>(meta + ExtendStage<D>::kKeys + 8 * n + 2 * j);
+    sv[n][0] = m.x, ov[n][0] = m.y, sv[n][1] = m.z, ov[n][1] = m.w;
   }
   int2_value_inputs<D>(st, pr, sv, ov, pa);
   ptx::wgmma_fence_operands(st.o);
@@ -913,7 +906,7 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     // The second operand buffer and metadata array (ExtendLayout).
     __shared__ __align__(128) struct {
       unsigned char operands[L::operand_bytes];
-      float4 meta[ExtendStage<D>::kKeys];
+      float2 meta[2 * ExtendStage<D>::kKeys];
     } second;
     if (begin < end) {
 #pragma unroll
@@ -936,7 +929,7 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
       const uint32_t operands0 = smem_address(q_rows), buffer_step = smem_address(second.operands) - operands0;
       auto operands = [&](int b) { return operands0 + b * buffer_step; };
       const uint64_t q_desc = ptx::wgmma_descriptor(smem_address(smem + L::q_f16), 128, W::kRowGroupBytes);
-      const float4* const meta0 = reinterpret_cast<const float4*>(smem + L::int2_meta);
+      const float2* const meta0 = reinterpret_cast<const float2*>(smem + L::int2_meta);
       auto meta = [&](int b) { return b ? second.meta : meta0; };
       auto k_desc = [&](int b) { return ptx::wgmma_descriptor(operands(b) + W::kK, 128, W::kRowGroupBytes); };
       auto v_desc = [&](int b) { return ptx::wgmma_descriptor(operands(b) + W::kV, 128, W::kVRowGroupBytes); };
