@@ -919,10 +919,12 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     bf16_segment(recent, sink_tiles + body_tiles);
     if (begin < end) {
       // Software pipeline over two operand buffers: stage gi's score MMAs run while the block
-      // unpacks stage gi + 1 into the other buffer, and its value MMAs while the next stage's
-      // scores are issued and the stage after is unpacked; only the softmax waits for the
-      // tensor cores (one stage at a time in one buffer made every phase wait for the last).
+      // unpacks stage gi + 1 into the other buffer; its value MMAs run under the end-of-stage
+      // barrier and the next stage's score issue, and are waited for before that unpack (they
+      // read the buffer it overwrites). One stage at a time in one buffer made the unpack wait
+      // for both MMAs of the stage before.
       using W = ExtendWgmma<D>;
+      static_assert(W::kBytes <= L::operand_bytes, "a stage's operands fit each buffer");
       constexpr int kBlocks = W::kKeys / 8;
       // Buffer b at operands0 + b·buffer_step (arithmetic, not an array a runtime b would index
       // in local memory).
