@@ -908,12 +908,14 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
       unsigned char operands[L::operand_bytes];
       float2 meta[2 * ExtendStage<D>::kKeys];
     } second;
+    // Stage gi's copies into its ring slot (none past the chunk's last stage).
+    auto issue_stage = [&](int32_t gi) {
+      issue_extend_stage<D>(stage0 + (gi % kExtendStages) * S::kBytes, body, blocks, begin + gi * kExtendStageTiles,
+                            gi < groups ? limit : 0, tid);
+    };
     if (begin < end) {
 #pragma unroll
-      for (int k = 0; k < kExtendStages - 1; ++k) {
-        issue_extend_stage<D>(stage0 + k * S::kBytes, body, blocks, begin + k * kExtendStageTiles, k < groups ? limit : 0,
-                              tid);
-      }
+      for (int k = 0; k < kExtendStages - 1; ++k) issue_stage(k);
     }
     bf16_segment(sink, 0);
     bf16_segment(recent, sink_tiles + body_tiles);
@@ -936,10 +938,6 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
       auto k_desc = [&](int b) { return ptx::wgmma_descriptor(operands(b) + W::kK, 128, W::kRowGroupBytes); };
       auto v_desc = [&](int b) { return ptx::wgmma_descriptor(operands(b) + W::kV, 128, W::kVRowGroupBytes); };
       auto stage_at = [&](int32_t gi) { return stages + (gi % kExtendStages) * S::kBytes; };
-      auto issue_stage = [&](int32_t gi) {
-        issue_extend_stage<D>(stage0 + (gi % kExtendStages) * S::kBytes, body, blocks, begin + gi * kExtendStageTiles,
-                              gi < groups ? limit : 0, tid);
-      };
       scale_value_units<D>(st, true);
       // Stage 0 into buffer 0, which overlays the q rows: every warp is done with them (the
       // BF16 tiles) at the barrier.
