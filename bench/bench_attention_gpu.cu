@@ -102,8 +102,26 @@ struct Problem {
     };
     params.kv.k_int2 = k_int2;
     params.kv.v_int2 = k_int2;
-    params.kv.k_int2.data = static_cast<uint8_t*>(keep(device_copy(int2_bytes)));
-    params.kv.v_int2.data = static_cast<uint8_t*>(keep(device_copy(int2_bytes)));
+    if (env_int("OSCAR_BENCH_KV_INTERLEAVED", 0) != 0) {
+      // One INT2 buffer, each (page, head)'s V block right after its K block (an engine's
+      // interleaved allocation; the decode kernel then copies a 16-token tile in one run).
+      const int64_t block = layout.block_bytes();
+      std::vector<uint8_t> both(int2_bytes.size() * 2);
+      for (size_t b = 0; b * block < int2_bytes.size(); ++b) {
+        std::memcpy(&both[2 * b * block], &int2_bytes[b * block], block);
+        std::memcpy(&both[(2 * b + 1) * block], &int2_bytes[b * block], block);
+      }
+      uint8_t* base = static_cast<uint8_t*>(keep(device_copy(both)));
+      for (Int2PoolRef* pool : {&params.kv.k_int2, &params.kv.v_int2}) {
+        pool->stride_head = 2 * block;
+        pool->stride_page = int64_t{hkv} * 2 * block;
+      }
+      params.kv.k_int2.data = base;
+      params.kv.v_int2.data = base + block;
+    } else {
+      params.kv.k_int2.data = static_cast<uint8_t*>(keep(device_copy(int2_bytes)));
+      params.kv.v_int2.data = static_cast<uint8_t*>(keep(device_copy(int2_bytes)));
+    }
     params.kv.k_bf16 = k_bf16;
     params.kv.v_bf16 = k_bf16;
     params.kv.k_bf16.data = static_cast<bf16_t*>(keep(device_copy(bf16)));

@@ -69,7 +69,8 @@ using Errors = AttentionErrors;
 Errors run_and_compare(const PagedCache& cache, const std::vector<RequestId>& ids,
                        const std::vector<int32_t>& query_tokens, RowGenerator& qgen, bool kernel_rotates,
                        const AttentionPlanOptions& options = {}, int replays = 1,
-                       void (*corrupt)(const PagedKvRef&) = nullptr, bool via_graph = false) {
+                       void (*corrupt)(const PagedKvRef&) = nullptr, bool via_graph = false,
+                       bool interleave_int2 = false) {
   const CacheConfig& c = cache.config();
   const int d = c.head_dim;
   auto tables = cache.page_tables(ids);
@@ -124,6 +125,26 @@ Errors run_and_compare(const PagedCache& cache, const std::vector<RequestId>& id
 
   PagedAttentionParams p;
   p.kv = dev.kv();
+  // An engine's interleaved allocation: one INT2 buffer, each (page, head)'s V block right
+  // after its K block (the decode kernel then copies a 16-token tile in one run).
+  DeviceArray<uint8_t> interleaved;
+  if (interleave_int2) {
+    const int64_t block = p.kv.k_int2.layout.block_bytes();
+    const size_t blocks = size_t(p.kv.k_int2.num_pages) * p.kv.k_int2.num_kv_heads;
+    REQUIRE(p.kv.k_int2.stride_head == block);  // DeviceLayer's pools are packed
+    REQUIRE(p.kv.k_int2.stride_page == block * p.kv.k_int2.num_kv_heads);
+    interleaved = DeviceArray<uint8_t>(2 * blocks * size_t(block));
+    CUDA_REQUIRE(cudaMemcpy2D(interleaved.ptr, 2 * block, p.kv.k_int2.data, block, block, blocks,
+                              cudaMemcpyDeviceToDevice));
+    CUDA_REQUIRE(cudaMemcpy2D(interleaved.ptr + block, 2 * block, p.kv.v_int2.data, block, block, blocks,
+                              cudaMemcpyDeviceToDevice));
+    for (Int2PoolRef* pool : {&p.kv.k_int2, &p.kv.v_int2}) {
+      pool->stride_head = 2 * block;
+      pool->stride_page = 2 * block * pool->num_kv_heads;
+    }
+    p.kv.k_int2.data = interleaved.ptr;
+    p.kv.v_int2.data = interleaved.ptr + block;
+  }
   p.num_qo_heads = c.num_qo_heads;
   p.q = d_q.ptr;
   p.qo_indptr = decode ? nullptr : d_qo.ptr;
@@ -216,6 +237,33 @@ TEST_CASE("decode matches the reference: head dims, GQA groups, page sizes, segm
       check(run_and_compare(cache, ids, {}, qgen, true, many));
       if (rotate) check(run_and_compare(cache, ids, {}, qgen, /*kernel_rotates=*/false));
     }
+  }
+}
+
+TEST_CASE("INT2 pools with each V block right after its K block (one buffer, interleaved)") {
+  // Where pages hold 16 tokens the decode kernel copies such a tile in one run; other page
+  // sizes read the same pools the general way.
+  const Shape shapes[] = {
+      {128, 32, 8, 16, 16, 32},
+      {64, 9, 3, 16, 4, 16},
+      {256, 4, 2, 16, 0, 16},
+      {128, 8, 2, 8, 8, 16},
+      {128, 16, 2, 64, 0, 64},
+  };
+  for (const Shape& s : shapes) {
+    CAPTURE(s.d);
+    CAPTURE(s.page);
+    const std::vector<int> lengths = {1, 3, 17, s.sink + s.recent + 1, 300, 1000, 2100};
+    PagedCache cache = make_cache(config_for(s, 2200, int(lengths.size())), true, 7);
+    const auto ids = fill(cache, lengths, 11);
+    RowGenerator qgen(99, s.d);
+    check(run_and_compare(cache, ids, {}, qgen, true, {}, 1, nullptr, false, /*interleave_int2=*/true));
+    AttentionPlanOptions many;
+    many.min_chunk_bytes = 1;
+    many.target_blocks_per_sm = 64;
+    check(run_and_compare(cache, ids, {}, qgen, true, many, 1, nullptr, false, true));
+    const std::vector<int32_t> queries(lengths.size(), 1);  // a one-token extend: causal masks
+    check(run_and_compare(cache, ids, queries, qgen, true, {}, 1, nullptr, false, true));
   }
 }
 

@@ -892,27 +892,29 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
     }
   };
 
+  // The chunk's INT2 tiles [begin, end), in stages of kExtendStageTiles; issue_stage(gi) copies
+  // stage gi into its ring slot (none past the chunk's last stage).
+  int32_t begin, end;
+  chunk_tile_range(item, body, sink_tiles, begin, end);
+  const int32_t limit = min(end * kAttentionTileTokens, body.tokens);
+  const int32_t groups = (end - begin + kExtendStageTiles - 1) / kExtendStageTiles;
+  const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
+  const uint32_t stage0 = smem_address(stages);
+  auto issue_stage = [&](int32_t gi) {
+    issue_extend_stage<D>(stage0 + (gi % kExtendStages) * S::kBytes, body, blocks, begin + gi * kExtendStageTiles,
+                          gi < groups ? limit : 0, tid);
+  };
+
 #if defined(OSCAR_HAS_WGMMA)
   // 3. The chunk's first INT2 stages are issued, the sink and window tiles run under their
   // copies, then the INT2 stages: each unpacked once into the operands (in the q rows' space,
   // free once the BF16 tiles are done) and multiplied by the warpgroup.
   {
-    int32_t begin, end;
-    chunk_tile_range(item, body, sink_tiles, begin, end);
-    const int32_t limit = min(end * kAttentionTileTokens, body.tokens);
-    const int32_t groups = (end - begin + kExtendStageTiles - 1) / kExtendStageTiles;
-    const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
-    const uint32_t stage0 = smem_address(stages);
     // The second operand buffer and metadata array (ExtendLayout).
     __shared__ __align__(128) struct {
       unsigned char operands[L::operand_bytes];
       float2 meta[2 * ExtendStage<D>::kKeys];
     } second;
-    // Stage gi's copies into its ring slot (none past the chunk's last stage).
-    auto issue_stage = [&](int32_t gi) {
-      issue_extend_stage<D>(stage0 + (gi % kExtendStages) * S::kBytes, body, blocks, begin + gi * kExtendStageTiles,
-                            gi < groups ? limit : 0, tid);
-    };
     if (begin < end) {
 #pragma unroll
       for (int k = 0; k < kExtendStages - 1; ++k) issue_stage(k);
@@ -986,24 +988,13 @@ __global__ void __launch_bounds__(kExtendThreads, kExtendMinBlocks) extend_atten
   // 3. Sink, INT2 pages (staged for the whole block), window.
   bf16_segment(sink, 0);
   {
-    int32_t begin, end;
-    chunk_tile_range(item, body, sink_tiles, begin, end);
     if (begin < end) {
-      const Int2HeadBlocks blocks = int2_head_blocks(kv.k_int2, kv.v_int2, head);
-      const uint32_t stage0 = smem_address(stages);
-      const int32_t limit = min(end * kAttentionTileTokens, body.tokens);
-      const int32_t groups = (end - begin + kExtendStageTiles - 1) / kExtendStageTiles;
 #pragma unroll
-      for (int k = 0; k < kExtendStages - 1; ++k) {
-        issue_extend_stage<D>(stage0 + k * S::kBytes, body, blocks, begin + k * kExtendStageTiles, k < groups ? limit : 0,
-                              tid);
-      }
+      for (int k = 0; k < kExtendStages - 1; ++k) issue_stage(k);
       for (int32_t gi = 0; gi < groups; ++gi) {
         cp_async_wait<kExtendStages - 2>();
         __syncthreads();  // stage gi has landed for every thread; every warp is done with gi - 1
-        const int32_t next = gi + kExtendStages - 1;
-        issue_extend_stage<D>(stage0 + (next % kExtendStages) * S::kBytes, body, blocks,
-                              begin + next * kExtendStageTiles, next < groups ? limit : 0, tid);
+        issue_stage(gi + kExtendStages - 1);
         if (warp_active) {
           const unsigned char* stage = stages + (gi % kExtendStages) * S::kBytes;
 #pragma unroll
