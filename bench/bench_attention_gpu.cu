@@ -104,7 +104,7 @@ struct Problem {
     params.kv.v_int2 = k_int2;
     if (env_int("OSCAR_BENCH_KV_INTERLEAVED", 0) != 0) {
       // One INT2 buffer, each (page, head)'s V block right after its K block (an engine's
-      // interleaved allocation; the decode kernel then copies a 16-token tile in one run).
+      // interleaved allocation: no faster in the kernel, docs/benchmarks.md).
       const int64_t block = layout.block_bytes();
       std::vector<uint8_t> both(int2_bytes.size() * 2);
       for (size_t b = 0; b * block < int2_bytes.size(); ++b) {

@@ -126,7 +126,7 @@ Errors run_and_compare(const PagedCache& cache, const std::vector<RequestId>& id
   PagedAttentionParams p;
   p.kv = dev.kv();
   // An engine's interleaved allocation: one INT2 buffer, each (page, head)'s V block right
-  // after its K block (the decode kernel then copies a 16-token tile in one run).
+  // after its K block; the kernels see only the pools' data pointers and strides.
   DeviceArray<uint8_t> interleaved;
   if (interleave_int2) {
     const int64_t block = p.kv.k_int2.layout.block_bytes();
@@ -241,8 +241,8 @@ TEST_CASE("decode matches the reference: head dims, GQA groups, page sizes, segm
 }
 
 TEST_CASE("INT2 pools with each V block right after its K block (one buffer, interleaved)") {
-  // Where pages hold 16 tokens the decode kernel copies such a tile in one run; other page
-  // sizes read the same pools the general way.
+  // The K and V pools of one buffer, strides twice a block (docs/gpu.md §1): every page size,
+  // decode, split decode and a one-token extend read them as they read separate pools.
   const Shape shapes[] = {
       {128, 32, 8, 16, 16, 32},
       {64, 9, 3, 16, 4, 16},
