@@ -21,6 +21,8 @@ namespace attention_detail {
 
 using ptx::cp_async16;
 using ptx::cp_async16_if;
+using ptx::cp_async16_or_zero;
+using ptx::cp_async4_or_zero;
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 using ptx::lds_u16;

@@ -154,9 +154,16 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
   // more than kMaxGrowth (log2 units), so p = 2^(s - m) <= 2^8 stays exact in fp32 and far
   // from fp16 overflow in p * scale. Most tiles then cost one vote instead of three shuffle
   // rounds, two exponentials and a rescale of o.
+  // The test is on s - m, the exponent the common path needs anyway (one subtraction per
+  // score, not an add per column on top).
   constexpr float kMaxGrowth = 8.0f;
-  const bool grow = s[0][0] > st.m[0] + kMaxGrowth || s[1][0] > st.m[0] + kMaxGrowth ||
-                    s[0][1] > st.m[1] + kMaxGrowth || s[1][1] > st.m[1] + kMaxGrowth;
+  float e[2][2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) e[half][i] = s[half][i] - st.m[i];
+  }
+  const bool grow = e[0][0] > kMaxGrowth || e[1][0] > kMaxGrowth || e[0][1] > kMaxGrowth || e[1][1] > kMaxGrowth;
   if (__any_sync(kFullMask, grow)) {
     float alpha[2];
 #pragma unroll
@@ -178,12 +185,17 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
       st.o[mt][2] *= alpha[0];
       st.o[mt][3] *= alpha[1];
     }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) e[half][i] = s[half][i] - st.m[i];
+    }
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     // m = kNoKeyMax here means every key so far is masked, and so is every key of this tile.
-    s[0][i] = fast_exp2(s[0][i] - st.m[i]);
-    s[1][i] = fast_exp2(s[1][i] - st.m[i]);
+    s[0][i] = fast_exp2(e[0][i]);
+    s[1][i] = fast_exp2(e[1][i]);
     st.l[i] += s[0][i] + s[1][i];
   }
 }
@@ -241,19 +253,20 @@ struct Int2Stage {
 
 
 // Which run of a tile this lane copies, fixed for the whole loop: lane l copies region l / 8
-// (K half 0, K half 1, V half 0, V half 1) at chunks l % 8 + 8i, and lanes with l % 8 < 2 also
-// that region's 32 bytes of metadata. So a lane needs one page id and one 32-bit multiply per
-// tile (page strides are below 2 GiB: the launcher checks), and its chunks are compile-time
-// offsets from it.
+// (K half 0, K half 1, V half 0, V half 1) at chunks l % 8 + 8i, and the metadata word of the
+// region's token l % 8 (4 bytes; 8 lanes make the half's 32). So a lane needs one page id and
+// one 32-bit multiply per tile (page strides are below 2 GiB: the launcher checks), its chunks
+// are compile-time offsets from it, and every lane issues the same copies: no predicate or
+// branch in the issue (a half past the segment is the same copies reading 0 bytes, which
+// zero-fill).
 template <int D>
 struct Int2CopyLane {
   const uint8_t* src;    // the K or V pool of this lane's region, at the block's head and this lane's first chunk
   int32_t stride_page;   // bytes
-  int32_t meta_delta;    // bytes from a token's first chunk to its metadata chunk
+  int32_t meta_delta;    // bytes from a token's first chunk to this lane's metadata word
   int32_t half_tokens;   // 0 or 8: the tile half this lane copies
   uint32_t code_dst;     // shared address of the first chunk in stage 0
-  uint32_t meta_dst;     // shared address of the metadata chunk in stage 0 (lanes with l % 8 < 2)
-  bool copies_meta;
+  uint32_t meta_dst;     // shared address of the metadata word in stage 0
 };
 
 template <int D>
@@ -268,9 +281,8 @@ OSCAR_DEVICE Int2CopyLane<D> int2_copy_lane(const Int2HeadBlocks& blocks, uint32
   c.stride_page = static_cast<int32_t>(tensor == 0 ? blocks.k_stride_page : blocks.v_stride_page);
   c.half_tokens = 8 * half;
   c.code_dst = stages + tensor * S::kCodes + half * 8 * S::kRowBytes + idx * 16;
-  c.copies_meta = idx < 2;
-  c.meta_dst = stages + S::kKMeta + tensor * 64 + half * 32 + (idx & 1) * 16;
-  c.meta_delta = blocks.meta_offset + (idx & 1) * 16 - code_src;
+  c.meta_dst = stages + S::kKMeta + tensor * 64 + half * 32 + idx * 4;
+  c.meta_delta = blocks.meta_offset + idx * 4 - code_src;
   return c;
 }
 
@@ -282,25 +294,23 @@ OSCAR_DEVICE int32_t copy_page(const SegmentPages& seg, const Int2CopyLane<D>& c
   return active && token < seg.tokens ? seg.page_id(token) : -1;
 }
 
-// Issues this lane's copies of one tile into stage `stage` and commits a group (an empty one
-// for an absent tile, so the group count stays in step with the tiles).
+// Issues this lane's copies of one tile into stage `stage` and commits a group. A half past the
+// segment (page -1; every half of an absent tile) reads nothing and zero-fills: its metadata
+// reads as zero, so its p = 0 meets a zero scale and offset (no 0 * stale NaN), and its codes
+// are zero.
 template <int D>
 OSCAR_DEVICE void issue_int2_tile(const Int2CopyLane<D>& c, const SegmentPages& seg, int32_t tile, int32_t page,
                                   uint32_t stage_offset) {
   using S = Int2Stage<D>;
-  if (kAttentionProbe == 1) {
-    // measurement knob: no copies
-  } else if (page >= 0) {
+  if (kAttentionProbe != 1) {  // (probe 1, a measurement knob: no copies)
+    const bool present = page >= 0;
     const int32_t slot = seg.slot(tile * kAttentionTileTokens + c.half_tokens);
-    const uint8_t* src = c.src + mul_wide(page, c.stride_page) + slot * S::kRowBytes;
+    // Page 0 stands in for an absent half: a valid address, of which nothing is read.
+    const uint8_t* src = c.src + mul_wide(max(page, 0), c.stride_page) + slot * S::kRowBytes;
     const uint32_t dst = c.code_dst + stage_offset;
 #pragma unroll
-    for (int i = 0; i < S::kCodeChunks / 32; ++i) cp_async16(dst + 128 * i, src + 128 * i);
-    cp_async16_if(c.copies_meta, c.meta_dst + stage_offset, src + (c.meta_delta - slot * (S::kRowBytes - 4)));
-  } else if (c.copies_meta) {
-    // A half past the segment reads as zero metadata, so its p = 0 meets a zero scale and
-    // offset (no 0 * stale NaN); its stale codes are finite whatever they are.
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(c.meta_dst + stage_offset), "r"(0u) : "memory");
+    for (int i = 0; i < S::kCodeChunks / 32; ++i) cp_async16_or_zero(dst + 128 * i, src + 128 * i, !present);
+    cp_async4_or_zero(c.meta_dst + stage_offset, src + (c.meta_delta - slot * (S::kRowBytes - 4)), !present);
   }
   cp_async_commit();
 }
@@ -371,8 +381,8 @@ OSCAR_DEVICE void int2_key_scores(float (&acc)[4], const KeyQueryFragments<D>& q
   // chain (~30 cycles each), which two resident warps per scheduler cannot hide. The codes
   // enter as 1024 + 4^k·c against q·4^-k, so acc starts at -1024·Σq' of its column
   // (key_bias) to leave exactly Σ q·c.
-  acc[0] = acc[2] = -key_bias[0];
-  acc[1] = acc[3] = -key_bias[1];
+  acc[0] = acc[2] = key_bias[0];
+  acc[1] = acc[3] = key_bias[1];
   float acc_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int wi = 0; wi < kKWords; ++wi) {
@@ -846,8 +856,8 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     }
     part += __shfl_xor_sync(kFullMask, part, 1);
     part += __shfl_xor_sync(kFullMask, part, 2);
-    key_bias[0] = 1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j));
-    key_bias[1] = 1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j + 1));
+    key_bias[0] = -1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j));
+    key_bias[1] = -1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j + 1));
   }
   // Σ q·sm_scale·log2(e) of this lane's accumulator columns 2j, 2j+1, for the keys' offsets: the
   // lanes' quarters summed over the 4 lanes of a column, as for key_bias (a serial walk over the

@@ -86,6 +86,22 @@ OSCAR_DEVICE void cp_async16_if(bool copy, uint32_t dst, const void* src) {
       "l"(src), "r"(int(copy))
       : "memory");
 }
+// 16 bytes from src to dst, or (zero_fill) 16 zero bytes at dst and nothing read: lanes that
+// have nothing to copy issue the same instruction as those that do (the predicate is the
+// copy's own ignore-src operand), with no branch around it.
+OSCAR_DEVICE void cp_async16_or_zero(uint32_t dst, const void* src, bool zero_fill) {
+  asm volatile(
+      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}" ::"r"(dst),
+      "l"(src), "r"(int(zero_fill))
+      : "memory");
+}
+// The same for 4 bytes (through L1: cp.async copies 4 or 8 bytes only as .ca).
+OSCAR_DEVICE void cp_async4_or_zero(uint32_t dst, const void* src, bool zero_fill) {
+  asm volatile(
+      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.ca.shared.global [%0], [%1], 4, z;\n}" ::"r"(dst),
+      "l"(src), "r"(int(zero_fill))
+      : "memory");
+}
 OSCAR_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
 OSCAR_DEVICE void cp_async_wait() {
