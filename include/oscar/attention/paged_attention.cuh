@@ -844,8 +844,8 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
 #pragma unroll
     for (int s = 0; s < D / 16; ++s) qf.reg[s][0] = frag[s][0], qf.reg[s][1] = frag[s][1];
   }
-  // 1024·Σ q' over column r's fp16 fragments (this lane's channels, then its 4 lanes), then
-  // fetched for this lane's accumulator columns 2j, 2j+1.
+  // -1024·Σ q' over column r's fp16 fragments (this lane's channels, then its 4 lanes), then
+  // fetched for this lane's accumulator columns 2j, 2j+1: the key MMAs' starting value.
   float key_bias[2];
   {
     float part = 0.0f;
