@@ -158,11 +158,14 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
   // score, not an add per column on top).
   constexpr float kMaxGrowth = 8.0f;
   float e[2][2];
+  auto exponents = [&] {  // e = s - m, against the current max
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < 2; ++half) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) e[half][i] = s[half][i] - st.m[i];
-  }
+      for (int i = 0; i < 2; ++i) e[half][i] = s[half][i] - st.m[i];
+    }
+  };
+  exponents();
   const bool grow = e[0][0] > kMaxGrowth || e[1][0] > kMaxGrowth || e[0][1] > kMaxGrowth || e[1][1] > kMaxGrowth;
   if (__any_sync(kFullMask, grow)) {
     float alpha[2];
@@ -185,11 +188,7 @@ OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileCon
       st.o[mt][2] *= alpha[0];
       st.o[mt][3] *= alpha[1];
     }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) e[half][i] = s[half][i] - st.m[i];
-    }
+    exponents();
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
