@@ -469,16 +469,14 @@ OSCAR_DEVICE void issue_extend_stage(uint32_t stage, const SegmentPages& seg, co
     const int tensor = c / (S::kKeys * S::kChunksPerRow);
     const int key = (c / S::kChunksPerRow) % S::kKeys;
     const int part = (c % S::kChunksPerRow) * 16;
-    cp_async16_if(token[i] < limit, stage + (tensor == 0 ? key * S::kRowBytes : S::v_row(key)) + part,
-                  page_block(tensor, page[i]) + seg.slot(token[i]) * S::kRowBytes + part);
+    // A token past `limit` zero-fills its chunk (nothing read; the copy's own predicate).
+    cp_async16_or_zero(stage + (tensor == 0 ? key * S::kRowBytes : S::v_row(key)) + part,
+                       page_block(tensor, page[i]) + seg.slot(token[i]) * S::kRowBytes + part, !(token[i] < limit));
   }
   if (meta_lane) {
-    const uint32_t dst = stage + (meta_tensor == 0 ? S::kKMeta : S::kVMeta) + 4 * meta_key;
-    if (meta_copy) {
-      cp_async16(dst, page_block(meta_tensor, meta_page) + blocks.meta_offset + seg.slot(meta_token) * 4);
-    } else {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst), "r"(0u) : "memory");
-    }
+    // Metadata past `limit` reads as zero: the same copy, zero-filling.
+    cp_async16_or_zero(stage + (meta_tensor == 0 ? S::kKMeta : S::kVMeta) + 4 * meta_key,
+                       page_block(meta_tensor, meta_page) + blocks.meta_offset + seg.slot(meta_token) * 4, !meta_copy);
   }
   cp_async_commit();
 }
