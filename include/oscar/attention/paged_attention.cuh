@@ -135,10 +135,12 @@ struct TileContext {
 
 // Masks, runs the online-softmax update on this lane's scores s[token r / r+8][column], and
 // returns the probabilities in s. Rescales the warp's o and offset sums when the max moves.
-template <int D>
+// kMayMask = false: the caller knows the tile is whole and not causal (the INT2 loop's full
+// tiles), so not even the test is made (its branch and reconvergence were ~6 instructions a tile).
+template <int D, bool kMayMask = true>
 OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileContext& tc, int r) {
   // A full tile of a decode step sees every key: the mask only costs where it can bite.
-  if (tc.causal || tc.valid < kAttentionTileTokens) {
+  if (kMayMask && (tc.causal || tc.valid < kAttentionTileTokens)) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = r + 8 * half;
@@ -401,8 +403,9 @@ OSCAR_DEVICE void int2_key_scores(float (&acc)[4], const KeyQueryFragments<D>& q
   for (int e = 0; e < 4; ++e) acc[e] += acc_odd[e];
 }
 
-// Softmax and values of one loaded INT2 tile whose key scores' MMAs are in acc.
-template <int D>
+// Softmax and values of one loaded INT2 tile whose key scores' MMAs are in acc (kMayMask:
+// softmax_step's).
+template <int D, bool kMayMask>
 OSCAR_DEVICE void int2_tile_finish(WarpState<D>& st, const float (&acc)[4], const float (&qsum)[2],
                                    const Int2TileRaw<D>& raw, TileContext& tc, int lane) {
   constexpr int kUnits = D / 64;  // 16-bit value units per lane per token
@@ -428,7 +431,7 @@ OSCAR_DEVICE void int2_tile_finish(WarpState<D>& st, const float (&acc)[4], cons
 #pragma unroll
     for (int i = 0; i < 2; ++i) s[half][i] = acc[2 * half + i] * sk[half] + ok[half] * qsum[i];  // q carries scale2
   }
-  softmax_step<D>(st, s, tc, r);
+  softmax_step<D, kMayMask>(st, s, tc, r);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     // Masked keys have p = 0 and metadata 0, so they add nothing (no 0·NaN from unread data).
@@ -451,12 +454,12 @@ OSCAR_DEVICE void int2_tile_finish(WarpState<D>& st, const float (&acc)[4], cons
 }
 
 // Scores, softmax and values of one loaded INT2 tile.
-template <int D>
+template <int D, bool kMayMask>
 OSCAR_DEVICE void int2_tile(WarpState<D>& st, const KeyQueryFragments<D>& qf, const float (&qsum)[2],
                             const float (&key_bias)[2], const Int2TileRaw<D>& raw, TileContext& tc, int lane) {
   float acc[4];
   int2_key_scores<D>(acc, qf, key_bias, raw);
-  int2_tile_finish<D>(st, acc, qsum, raw, tc, lane);
+  int2_tile_finish<D, kMayMask>(st, acc, qsum, raw, tc, lane);
 }
 
 // One BF16 tile (sink, window, or a BF16 cache) for one warp. qb holds this lane's bf16
@@ -888,8 +891,10 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   TileContext tc;
   tc.causal = !args.decode;
   tc.q_pos[0] = tc.q_pos[1] = INT32_MAX;
+  int32_t keys_seen_by_all = INT32_MAX;  // keys at positions below this are visible to every column
   if (tc.causal) {
     const int32_t length = recent.start + recent.tokens;
+    keys_seen_by_all = length - n_q + col0 / g + 1;  // the block's first column has the earliest query
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int c = 2 * j + i;
@@ -943,9 +948,20 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
         stage_offset = stage_offset == (kInt2Stages - 1) * S::kBytes ? 0 : stage_offset + S::kBytes;
       };
       Int2TileRaw<D> cur;
-      for (int32_t t = begin + warp; t < end; t += kWarps) {
+      // Tiles below full_end are whole and every column sees all their keys, so they skip the
+      // mask test; only a segment's last tile, or the tiles an extend's causal mask reaches,
+      // run it. (Two copies of the tile's code, one loop each: a uniform test inside one loop
+      // costs a branch and its reconvergence per tile.)
+      const int32_t full_end =
+          min(end, min(body.tokens, keys_seen_by_all - body.start) / kAttentionTileTokens);
+      int32_t t = begin + warp;
+      for (; t < full_end; t += kWarps) {
         read_and_refill(cur, t);
-        if constexpr (kAttentionProbe != 2) int2_tile<D>(st, qf, qsum, key_bias, cur, tc, lane);
+        if constexpr (kAttentionProbe != 2) int2_tile<D, false>(st, qf, qsum, key_bias, cur, tc, lane);
+      }
+      for (; t < end; t += kWarps) {
+        read_and_refill(cur, t);
+        if constexpr (kAttentionProbe != 2) int2_tile<D, true>(st, qf, qsum, key_bias, cur, tc, lane);
       }
       cp_async_wait<0>();  // no copy may land after the stages are reused below
     }
