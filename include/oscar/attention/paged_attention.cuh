@@ -259,7 +259,8 @@ struct Int2Stage {
 // one 32-bit multiply per tile (page strides are below 2 GiB: the launcher checks), its chunks
 // are compile-time offsets from it, and every lane issues the same copies: no predicate or
 // branch in the issue (a half past the segment is the same copies reading 0 bytes, which
-// zero-fill).
+// zero-fill). (Copying a warp's tiles two at a time, one page lookup per pair, ran 6-12 % fewer
+// instructions and was no faster on the H100, slower at B = 1: docs/benchmarks.md.)
 template <int D>
 struct Int2CopyLane {
   const uint8_t* src;    // the K or V pool of this lane's region, at the block's head and this lane's first chunk
