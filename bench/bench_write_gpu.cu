@@ -135,6 +135,34 @@ void BM_AppendDecode(benchmark::State& state) {
 }
 BENCHMARK(BM_AppendDecode)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Arg(32)->Arg(64)->Arg(128)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// Decode appends where the engine folds the rotations, as the method allows: R_V into W_V
+// (values_prerotated: only K is rotated here, rotate_k = 1), or R_K too, applied in its RoPE
+// kernel (rotate_k = 0: no rotation here, the append is a copy into the window).
+void BM_AppendDecodeFolded(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  const bool rotate_keys = state.range(1) != 0;
+  Setup s(16, batch + 1, batch, rotate_keys);
+  std::vector<TokenSlot> slots(batch);
+  for (int b = 0; b < batch; ++b) slots[b] = {b, 5, 0};
+  AppendParams p;
+  p.pools = s.pools;
+  p.k = s.k;
+  p.v = s.v;
+  p.in_stride_token = kHeads * kDim;
+  p.num_tokens = batch;
+  p.slots = device_copy(slots);
+  p.values_prerotated = true;
+  p.error_flag = s.flag;
+  const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
+  oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
+  report_copy_share(state);
+}
+BENCHMARK(BM_AppendDecodeFolded)
+    ->ArgNames({"B", "rotate_k"})
+    ->ArgsProduct({{1, 64, 256}, {1, 0}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
 // Bulk prefill: 32K tokens x 8 KV heads straight into INT2 pages; the rotation on tensor
 // cores (what kAuto picks for this size) or the exact FMA path.
 void BM_AppendBulkInt2(benchmark::State& state) {
