@@ -135,8 +135,9 @@ struct TileContext {
 
 // Masks, runs the online-softmax update on this lane's scores s[token r / r+8][column], and
 // returns the probabilities in s. Rescales the warp's o and offset sums when the max moves.
-// kMayMask = false: the caller knows the tile is whole and not causal (the INT2 loop's full
-// tiles), so not even the test is made (its branch and reconvergence were ~6 instructions a tile).
+// kMayMask = false: the caller knows the tile is whole and every column sees all its keys (the
+// INT2 loop's tiles below full_end), so not even the test is made (its branch and
+// reconvergence were ~6 instructions a tile).
 template <int D, bool kMayMask = true>
 OSCAR_DEVICE void softmax_step(WarpState<D>& st, float (&s)[2][2], const TileContext& tc, int r) {
   // A full tile of a decode step sees every key: the mask only costs where it can bite.
