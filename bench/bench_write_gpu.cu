@@ -109,10 +109,8 @@ void print_write_timeline(const char* what, int blocks) {
 }
 #endif
 
-// Decode: one new token per request, into the BF16 window, K and V rotated.
-void BM_AppendDecode(benchmark::State& state) {
-  const int batch = static_cast<int>(state.range(0));
-  Setup s(16, batch + 1, batch, true);
+// A decode step's append: one new token per request of `batch`, into the BF16 window.
+AppendParams decode_append(const Setup& s, int batch) {
   std::vector<TokenSlot> slots(batch);
   for (int b = 0; b < batch; ++b) slots[b] = {b, 5, 0};
   AppendParams p;
@@ -123,6 +121,14 @@ void BM_AppendDecode(benchmark::State& state) {
   p.num_tokens = batch;
   p.slots = device_copy(slots);
   p.error_flag = s.flag;
+  return p;
+}
+
+// Decode: one new token per request, into the BF16 window, K and V rotated.
+void BM_AppendDecode(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  Setup s(16, batch + 1, batch, true);
+  const AppendParams p = decode_append(s, batch);
   const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
   oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
   report_copy_share(state);
@@ -142,17 +148,8 @@ void BM_AppendDecodeFolded(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const bool rotate_keys = state.range(1) != 0;
   Setup s(16, batch + 1, batch, rotate_keys);
-  std::vector<TokenSlot> slots(batch);
-  for (int b = 0; b < batch; ++b) slots[b] = {b, 5, 0};
-  AppendParams p;
-  p.pools = s.pools;
-  p.k = s.k;
-  p.v = s.v;
-  p.in_stride_token = kHeads * kDim;
-  p.num_tokens = batch;
-  p.slots = device_copy(slots);
+  AppendParams p = decode_append(s, batch);
   p.values_prerotated = true;
-  p.error_flag = s.flag;
   const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
   oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
   report_copy_share(state);

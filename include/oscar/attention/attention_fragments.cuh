@@ -19,8 +19,6 @@
 namespace oscar {
 namespace attention_detail {
 
-using ptx::cp_async16;
-using ptx::cp_async16_if;
 using ptx::cp_async16_or_zero;
 using ptx::cp_async4_or_zero;
 using ptx::cp_async_commit;
