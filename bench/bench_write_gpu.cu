@@ -191,7 +191,8 @@ BENCHMARK(BM_AppendBulkInt2)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
-// Demotion of 256 full window pages (all 8 heads, K and V).
+// Demotion of full window pages (all 8 heads, K and V): 256 is the issue's case; 64 a decode
+// step's demotions, 1024 several waves of batches per warp.
 void BM_Demote(benchmark::State& state) {
   const int pages = static_cast<int>(state.range(0));
   Setup s(pages, pages, 1, false);
@@ -213,7 +214,7 @@ void BM_Demote(benchmark::State& state) {
   oscar::bench::time_kernel(state, bytes, [&] { (void)demote_kv(p); });
   report_copy_share(state);
 }
-BENCHMARK(BM_Demote)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Demote)->Arg(64)->Arg(256)->Arg(1024)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

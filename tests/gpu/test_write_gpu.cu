@@ -216,6 +216,27 @@ TEST_CASE("demotion of NaN rows and at clip ranks past the sorted selections is 
   }
 }
 
+TEST_CASE("one launch demotes 128 pages of 8 layers bit-exactly") {
+  // The cases above demote a few pages per launch; an engine's step can demote many (every
+  // request whose window overflows, in every layer at once). Here 8 layers (16 K/V planes)
+  // demote 2048 tokens x 4 heads each in one demote_kv: 8192 rows per plane, 256 warps' batches
+  // of 32 rows, blocks from many planes resident together.
+  CacheConfig config = write_config(128, 128, 16, 0, 2048, 8);
+  config.num_kv_heads = 4;
+  config.num_qo_heads = 4;
+  config.num_int2_pages = 160;
+  config.num_bf16_pages = 272;
+  PagedCache cache = make_cache(config, true, 41);
+  DevicePools device(cache);
+  RowGenerator keys(43, 128), values(44, 128);
+  const std::vector<RequestId> ids{*cache.add_request()};
+  size_t demotions = 0;
+  CHECK(step_both(cache, device, ids, {2048}, keys, values, true, &demotions) == 0);  // with a NaN row
+  CHECK(demotions == 0);
+  CHECK(step_both(cache, device, ids, {2048}, keys, values, false, &demotions) == 0);
+  CHECK(demotions == 128);  // the first step's 2048 tokens leave the window: 128 pages of 16
+}
+
 TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
   CacheConfig config = write_config(128, 128, 16, 0, 16, 2);
   PagedCache cache = make_cache(config, true);

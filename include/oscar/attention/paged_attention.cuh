@@ -222,8 +222,15 @@ struct Int2TileRaw {
 // per-warp stage and reads its fragments from there: a handful of copies and shared loads per
 // lane instead of ten dependent global loads with their 64-bit address arithmetic, and the
 // bytes in flight wait in shared memory rather than in registers.
-// 6 or 8 stages measured slower on the H200 at every shape (B = 1 32K 37.0 -> 37.8 / 38.5 us).
+// 6 or 8 stages measured slower on the H200 at every shape (B = 1 32K 37.0 -> 37.8 / 38.5 us),
+// and on the H100, where the loop is bound by its copies (B = 1 32K 34.4-34.8 -> 36.3-36.4 /
+// 37.1-37.7 us, B = 16 32K 156-157 -> 158 / 158, B = 64 8K 201-202 -> 204-205 / 206):
+// more tiles in flight do not feed the loop faster.
+#ifdef OSCAR_ATTENTION_INT2_STAGES
+inline constexpr int kInt2Stages = OSCAR_ATTENTION_INT2_STAGES;  // measurement knob
+#else
 inline constexpr int kInt2Stages = 4;  // tiles per warp in flight or being computed
+#endif
 
 // A measurement knob that splits the INT2 loop's time between its two halves (build with
 // -DOSCAR_ATTENTION_PROBE=N; the outputs are then wrong, and without the macro nothing
