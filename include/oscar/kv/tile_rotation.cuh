@@ -20,6 +20,7 @@
 
 #include "oscar/core/numeric.hpp"
 #include "oscar/core/tensor_core.cuh"
+#include "oscar/core/wgmma.cuh"
 
 namespace oscar::write_detail {
 
@@ -38,9 +39,24 @@ OSCAR_DEVICE int swizzled(int row, int col) {
   return row * D + (((col >> 3) ^ (row & 7)) << 3) + (col & 7);
 }
 
+// Where R's element (i, j) (i = input channel, the MMA's k; j = output channel, its n) sits
+// in r_hi / r_lo. sm_90a (warpgroup MMAs, wgmma.cuh): B's no-swizzle K-major core matrices,
+// 8 output channels x 8 input channels of 16 contiguous bytes each, ordered [j / 8][i / 8];
+// a 16-deep k-step is then 2 core matrices 128 bytes apart (the descriptor's leading byte
+// offset), and output channels 8 apart are 16·D bytes apart (its stride byte offset).
+// Otherwise (mma.sync, read by ldmatrix.trans): row i, swizzled.
+template <int D>
+OSCAR_DEVICE int rotation_index(int i, int j) {
+#if defined(OSCAR_HAS_WGMMA)
+  return (j / 8) * (8 * D) + (i / 8) * 64 + (j % 8) * 8 + i % 8;
+#else
+  return swizzled<D>(i, j);
+#endif
+}
+
 template <int D>
 struct RotationTile {
-  bf16_t r_hi[D * D];  // R_hi[i][j], i = input channel (MMA k), j = output channel (MMA n)
+  bf16_t r_hi[D * D];  // R_hi at rotation_index(i, j)
   bf16_t r_lo[D * D];
   bf16_t rows[kTileRows * D];  // the tile's input rows, overwritten by the rotated rows
 };
@@ -48,6 +64,30 @@ struct RotationTile {
 // R (16-byte aligned, row-major) -> the block's R_hi / R_lo. All threads; ends synchronized.
 template <int D>
 OSCAR_DEVICE void stage_rotation(const float* rotation, RotationTile<D>& tile) {
+#if defined(OSCAR_HAS_WGMMA)
+  // A thread takes 8 input channels of one output channel (one 16-byte piece of a core
+  // matrix); the lanes of a warp read 32 consecutive output channels of each row of R.
+  for (int idx = threadIdx.x; idx < D * D / 8; idx += blockDim.x) {
+    const int i0 = (idx / D) * 8, j = idx % D;
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int c = 0; c < 8; c += 2) {
+      uint16_t h[2], l[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float v = __ldg(rotation + (i0 + c + e) * D + j);
+        const bf16_t b = float_to_bf16(v);
+        h[e] = b.bits;
+        l[e] = float_to_bf16(v - bf16_to_float(b)).bits;
+      }
+      hi[c / 2] = h[0] | uint32_t{h[1]} << 16;
+      lo[c / 2] = l[0] | uint32_t{l[1]} << 16;
+    }
+    *reinterpret_cast<uint4*>(tile.r_hi + rotation_index<D>(i0, j)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(tile.r_lo + rotation_index<D>(i0, j)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+  ptx::fence_proxy_async_shared();  // the stores visible to the warpgroup MMAs that read them
+#else
   for (int idx = threadIdx.x; idx < D * D / 4; idx += blockDim.x) {
     const int i = idx / (D / 4), j = (idx % (D / 4)) * 4;
     const float4 r = __ldg(reinterpret_cast<const float4*>(rotation) + idx);
@@ -59,36 +99,75 @@ OSCAR_DEVICE void stage_rotation(const float* rotation, RotationTile<D>& tile) {
       hi[c] = h.bits;
       lo[c] = float_to_bf16(v[c] - bf16_to_float(h)).bits;
     }
-    *reinterpret_cast<uint2*>(tile.r_hi + swizzled<D>(i, j)) =
+    *reinterpret_cast<uint2*>(tile.r_hi + rotation_index<D>(i, j)) =
         make_uint2(hi[0] | uint32_t{hi[1]} << 16, hi[2] | uint32_t{hi[3]} << 16);
-    *reinterpret_cast<uint2*>(tile.r_lo + swizzled<D>(i, j)) =
+    *reinterpret_cast<uint2*>(tile.r_lo + rotation_index<D>(i, j)) =
         make_uint2(lo[0] | uint32_t{lo[1]} << 16, lo[2] | uint32_t{lo[3]} << 16);
   }
+#endif
   __syncthreads();
 }
 
 // The calling warp's 16 rows of tile.rows (rows 16·warp ...) become their rotation, rounded
-// to bf16 (float_to_bf16: ties to even, one canonical NaN). Warp-level; touches no other rows.
+// to bf16 (float_to_bf16: ties to even, one canonical NaN). Touches no other rows. On sm_90a
+// the block's warps call it together, four at a time as warpgroups: each warpgroup MMA
+// multiplies the 64 rows of 4 warps by a 16-deep slice of R_lo or R_hi read once from shared
+// memory, where mma.sync's warps each read all of R per 16 rows (64 KB at d = 128: shared-
+// memory bandwidth bound the rotation).
 template <int D>
 OSCAR_DEVICE void rotate_warp_rows(RotationTile<D>& tile, int warp, int lane) {
   float acc[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   // ldmatrix addresses: lanes 8m..8m+7 give the rows of matrix m. A (x, row-major 16x16):
-  // m = (row half, k half) = (m & 1, m >> 1). B (R, stored k-major, read transposed):
-  // m = (k half, n tile) = (m & 1, m >> 1), matching b0/b1 of two n tiles.
+  // m = (row half, k half) = (m & 1, m >> 1).
   const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int half = (lane >> 4) * 8;
-  const int b_k = (lane & 7) + ((lane >> 3) & 1) * 8;
   const uint32_t rows = ptx::smem_address(tile.rows), hi = ptx::smem_address(tile.r_hi),
                  lo = ptx::smem_address(tile.r_lo);
+#if defined(OSCAR_HAS_WGMMA)
+  // The MMAs read their A registers asynchronously, until the wait: half of the k-steps' A
+  // fragments are loaded, multiplied and waited for, then the other half into the same
+  // registers (all 8 at once would hold 32 registers beside the 64 accumulators: spills).
+  constexpr int kSteps = D / 16, kHalf = kSteps / 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t a[kHalf][4];
+#pragma unroll
+    for (int s = 0; s < kHalf; ++s) ptx::ldmatrix_x4(a[s], rows + 2 * swizzled<D>(a_row, 16 * (h * kHalf + s) + half));
+    ptx::wgmma_fence_operands(acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < kHalf; ++s) {
+      // k-step k starts 2 core matrices (256 bytes) after the previous one.
+      const int k = h * kHalf + s;
+      const uint64_t b_lo = ptx::wgmma_descriptor(lo + 256 * k, 128, 16 * D);
+      const uint64_t b_hi = ptx::wgmma_descriptor(hi + 256 * k, 128, 16 * D);
+      if constexpr (D == 128) {
+        ptx::wgmma_m64n128k16_rs_bf16(acc, a[s], b_lo);  // the small terms first
+        ptx::wgmma_m64n128k16_rs_bf16(acc, a[s], b_hi);
+      } else {
+        static_assert(D == 64, "the warpgroup rotation covers head_dim 64 and 128");
+        ptx::wgmma_m64n64k16_rs_bf16(acc, a[s], b_lo);
+        ptx::wgmma_m64n64k16_rs_bf16(acc, a[s], b_hi);
+      }
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_operands(acc);
+    ptx::wgmma_fence_operands(a);  // the A registers stay untouched until the MMAs are done
+  }
+#else
+  // B (R, stored k-major, read transposed): m = (k half, n tile) = (m & 1, m >> 1), matching
+  // b0/b1 of two n tiles.
+  const int b_k = (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll 2
   for (int k = 0; k < D; k += 16) {
     uint32_t a[4];
     ptx::ldmatrix_x4(a, rows + 2 * swizzled<D>(a_row, k + half));
 #pragma unroll
     for (int n = 0; n < D; n += 16) {
-      const int offset = 2 * swizzled<D>(k + b_k, n + half);
+      const int offset = 2 * rotation_index<D>(k + b_k, n + half);
       uint32_t b[4];
       ptx::ldmatrix_x4_trans(b, lo + offset);  // the small terms first
       ptx::mma_bf16(acc[n / 8], a, b[0], b[1]);
@@ -98,6 +177,7 @@ OSCAR_DEVICE void rotate_warp_rows(RotationTile<D>& tile, int warp, int lane) {
       ptx::mma_bf16(acc[n / 8 + 1], a, b[2], b[3]);
     }
   }
+#endif
   __syncwarp();  // every lane's A fragments are read before the rows are overwritten
   const int r0 = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
 #pragma unroll
