@@ -4,14 +4,15 @@
 //
 // R (fp32, d×d) is staged once per block in shared memory as two bf16 matrices,
 // R_hi = bf16(R) and R_lo = bf16(R − R_hi); the rows are bf16 already, so each product is
-// exact and x·R_lo + x·R_hi, accumulated in fp32 by mma.sync, is x·R to 2^-18 of
-// Σ_i |x_i R_ij| plus the fp32 accumulation error, which the FMA path has too. The bf16
-// rounding that follows is 2^-9 relative, so the stored row nearly always equals the
-// FMA-ordered rotation of the CPU reference, but not always: an element near a rounding
-// boundary can land on the neighbouring bf16 value, and where the sum cancels (|y_j| much
-// smaller than Σ|x_i R_ij|) a few steps away (~0.2% of elements in all, measured on the H200
-// with random and real rows; tests/common/tensor_core_append.hpp bounds them). Callers that
-// need the CPU reference's bytes choose the FMA path (AppendRotation::kExactFma).
+// exact and x·R_lo + x·R_hi, accumulated in fp32 by the MMAs (warpgroup MMAs on sm_90a,
+// mma.sync elsewhere), is x·R to 2^-18 of Σ_i |x_i R_ij| plus the fp32 accumulation error,
+// which the FMA path has too. The bf16 rounding that follows is 2^-9 relative, so the stored
+// row nearly always equals the FMA-ordered rotation of the CPU reference, but not always: an
+// element near a rounding boundary can land on the neighbouring bf16 value, and where the sum
+// cancels (|y_j| much smaller than Σ|x_i R_ij|) a few steps away (~0.2% of elements in all,
+// measured on the H200 and the H100 with random and real rows;
+// tests/common/tensor_core_append.hpp bounds them). Callers that need the CPU reference's
+// bytes choose the FMA path (AppendRotation::kExactFma).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,9 +25,10 @@
 
 namespace oscar::write_detail {
 
-// 8 warps x 16 rows: each warp owns the 16 rows of its MMA M dimension. Eight warps share
-// one staged R (64 KB at d = 128), so two blocks per SM keep 16 warps resident for the
-// latency-bound quantizer that follows.
+// 8 warps x 16 rows: each warp owns the 16 rows of its MMA M dimension (on sm_90a, warps
+// 4g .. 4g + 3 are warpgroup g and its 64 rows). Eight warps share one staged R (64 KB at
+// d = 128), so two blocks per SM keep 16 warps resident for the latency-bound quantizer that
+// follows.
 inline constexpr int kTileWarps = 8;
 inline constexpr int kTileRows = kTileWarps * 16;
 
