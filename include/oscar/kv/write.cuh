@@ -541,7 +541,11 @@ inline constexpr int kTileMinBlocks = 2;
 // The bulk form of append_kernel: tiles of 128 rows (token-major, head-minor) are loaded with
 // cp.async, rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that
 // rotated them: into BF16 slots in 16-byte pieces, or quantized half a row per lane. Grid: (blocks over tiles,
-// layer * 2 + K/V); each block stages its plane's R once and loops over tiles.
+// layer * 2 + K/V); each block stages its plane's R once and loops over tiles. Each
+// warpgroup (4 warps, 64 rows: one warpgroup MMA's M) loads and waits for its own half of a
+// tile behind a barrier of its own, so the two halves of a block go through their loads,
+// MMAs and quantization independently instead of in lockstep, and the SM's four warpgroups
+// keep its tensor cores, ALUs and memory busy at different times.
 template <int kHeadDim, int kGroup>
 __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor_core_kernel(const AppendParams p) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
@@ -557,17 +561,28 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
   const uint32_t total = uint32_t(p.num_tokens) * heads;
   const WritePlane plane = write_plane(p.pools, layer, is_value);
   const bf16_t* input = plane_input(p, layer, is_value);
+  static_assert(kTileWarps == 8, "two warpgroups per block");
+  constexpr int kGroupRows = kTileRows / 2;  // a warpgroup's half of the tile
+  const int group = warp / 4, group_thread = threadIdx.x % 128;
+  const auto group_sync = [group] {  // the warpgroup's own barrier
+    if (group == 0) {
+      ptx::named_barrier_sync<1, 128>();
+    } else {
+      ptx::named_barrier_sync<2, 128>();
+    }
+  };
   for (uint32_t first = blockIdx.x * kTileRows; first < total; first += gridDim.x * kTileRows) {
-    __syncthreads();  // the previous tile's rows are stored before they are overwritten
-    for (int c = threadIdx.x; c < kTileRows * kChunks; c += blockDim.x) {
-      const uint32_t row = first + c / kChunks;
+    group_sync();  // the previous tile's rows are stored before they are overwritten
+    for (int c = group_thread; c < kGroupRows * kChunks; c += 128) {
+      const int r = group * kGroupRows + c / kChunks;
+      const uint32_t row = first + r;
       if (row >= total) continue;  // the tile's missing rows are never read back
       const bf16_t* src = input + (row / heads) * p.in_stride_token + (row % heads) * kHeadDim + (c % kChunks) * 8;
-      ptx::cp_async16(ptx::smem_address(tile.rows + swizzled<kHeadDim>(c / kChunks, (c % kChunks) * 8)), src);
+      ptx::cp_async16(ptx::smem_address(tile.rows + swizzled<kHeadDim>(r, (c % kChunks) * 8)), src);
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
-    __syncthreads();
+    group_sync();
     // Lanes i and i + 16 look up the slot of the warp's row i now, so the 16 lookups are in
     // flight together (during the MMAs) instead of one dependent load per row below; both
     // lanes of a row use it when they quantize its halves.
