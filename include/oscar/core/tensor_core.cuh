@@ -102,6 +102,12 @@ OSCAR_DEVICE void cp_async4_or_zero(uint32_t dst, const void* src, bool zero_fil
       "l"(src), "r"(int(zero_fill))
       : "memory");
 }
+OSCAR_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+OSCAR_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // Waits until kThreads threads (a multiple of 32) of the block have arrived at barrier kId
 // (1-15; 0 is __syncthreads'): a barrier for part of a block, e.g. one warpgroup. The id is an
 // immediate: with a register id, ptxas reserves all 16 of the block's barriers.
@@ -109,11 +115,6 @@ template <int kId, int kThreads>
 OSCAR_DEVICE void named_barrier_sync() {
   static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0);
   asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
-}
-OSCAR_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-OSCAR_DEVICE void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 }  // namespace oscar::ptx
