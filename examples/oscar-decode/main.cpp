@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -51,6 +52,14 @@ using oscar::Status;
 
 constexpr const char* kDefaultModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const std::vector<std::string> kModes = {"generate", "perplexity", "calibrate", "dump", "share", "fidelity"};
+
+// The OSCAR plan shipped for the default model (scripts/make-default-plan.sh fits it: KJV
+// Genesis 1-10, 6000 calibration tokens), so that the app's default run quantizes with the
+// method's rotations and clip ratios without a calibration step first.
+#ifndef OSCAR_DECODE_DEFAULT_PLAN
+#define OSCAR_DECODE_DEFAULT_PLAN ""
+#endif
+constexpr const char* kDefaultPlanPath = OSCAR_DECODE_DEFAULT_PLAN;
 
 std::string default_model_path() {
   if (const char* m = std::getenv("OSCAR_MODEL"); m && *m) return m;
@@ -100,7 +109,9 @@ void print_help() {
       "  --model FILE          GGUF (llama architecture) or llama2.c .bin model\n"
       "                        (default: $OSCAR_MODEL, else ${OSCAR_MODEL_DIR:-~/.cache/oscar}/%s,\n"
       "                        fetched by scripts/fetch-model.sh)\n"
-      "  --cache METHOD        %s (default bf16)\n"
+      "  --cache METHOD        %s\n"
+      "                        (default: generate and share on the default model: oscar-fit\n"
+      "                        with the plan shipped for it; otherwise bf16)\n"
       "                          exact          float32 K/V, no rounding (reference)\n"
       "                          bf16           every token BF16 in the paged cache\n"
       "                          int4           per-token INT4, simulated (upper reference)\n"
@@ -112,6 +123,7 @@ void print_help() {
       "                                         ratios 0.96 (K) / 0.92 (V) (needs --plan)\n"
       "                          oscar-fit      INT2, the plan's rotations and fitted clip ratios\n"
       "  --plan FILE           plan file (from calibrate or oscar-fit), for oscar and oscar-fit\n"
+      "                        (shipped for the default model: examples/oscar-decode/plans/)\n"
       "  --sink N              first N tokens stay BF16 (default 0; calibrate (recorded in the plan) and fidelity: 64)\n"
       "  --recent N            newest N..N+page_size-1 tokens stay BF16 (default 0; calibrate and fidelity: 256)\n"
       "  --page-size N         tokens per cache page: 8, 16, ..., 256 (default 16)\n"
@@ -148,7 +160,7 @@ void print_help() {
 struct Options {
   std::string mode;
   std::string model;
-  std::string cache = "bf16";
+  std::string cache;  // empty: not given (default_cache picks)
   std::string plan;
   std::string text;
   std::string out;
@@ -165,6 +177,27 @@ struct Options {
   int32_t sink_or(int32_t fallback) const { return sink >= 0 ? static_cast<int32_t>(sink) : fallback; }
   int32_t recent_or(int32_t fallback) const { return recent >= 0 ? static_cast<int32_t>(recent) : fallback; }
 };
+
+// The cache of a run without --cache. generate and share are the app's demonstration, so on
+// the default model they run OSCAR (oscar-fit: the plan's rotations and fitted clip ratios)
+// with the plan shipped for that model, or with --plan where one is given; every other mode
+// and model defaults to BF16.
+void apply_default_cache(Options& o) {
+  if (!o.cache.empty()) return;
+  o.cache = "bf16";
+  if (o.mode != "generate" && o.mode != "share") return;
+  if (!o.plan.empty()) {
+    o.cache = "oscar-fit";
+    return;
+  }
+  const std::string model_name = o.model.substr(o.model.find_last_of('/') + 1);
+  std::error_code error;
+  if (model_name != kDefaultModelName || !*kDefaultPlanPath || !std::filesystem::exists(kDefaultPlanPath, error)) {
+    return;
+  }
+  o.cache = "oscar-fit";
+  o.plan = kDefaultPlanPath;
+}
 
 int usage_error(const std::string& message) {
   std::fprintf(stderr, "oscar-decode: %s\n(run 'oscar-decode --help' for usage)\n", message.c_str());
@@ -452,8 +485,9 @@ int run_generate(const Options& o, const Model& m, const Plans& plans) {
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   const double bf16_bytes = 2.0 * 2.0 * c.head_dim * c.num_kv_heads * c.num_layers;
   std::printf("\n\n");
-  std::printf("cache=%s prompt_tokens=%zu new_tokens=%lld prefill_tokens_per_s=%.1f decode_tokens_per_s=%.1f\n",
-              o.cache.c_str(), ids.size(), static_cast<long long>(generated),
+  const std::string plan_name = plans.plan ? " plan=" + o.plan.substr(o.plan.find_last_of('/') + 1) : "";
+  std::printf("cache=%s%s prompt_tokens=%zu new_tokens=%lld prefill_tokens_per_s=%.1f decode_tokens_per_s=%.1f\n",
+              o.cache.c_str(), plan_name.c_str(), ids.size(), static_cast<long long>(generated),
               static_cast<double>(ids.size()) / prefill_s, generated > 1 ? static_cast<double>(generated - 1) / decode_s : 0.0);
   std::printf("kv_bytes_per_token=%.1f (bf16: %.1f, %.2fx smaller) at %lld tokens\n", kv.bytes_per_token(), bf16_bytes,
               bf16_bytes / kv.bytes_per_token(), static_cast<long long>(kv.length()));
@@ -891,6 +925,7 @@ int main(int argc, char** argv) {
   }
   Eigen::setNbThreads(static_cast<int>(o.threads));
   if (o.model.empty()) o.model = default_model_path();
+  apply_default_cache(o);
   // Check the cache flags and files before the (slow) model load.
   bool plan_needed = false;
   if (o.mode == "generate" || o.mode == "perplexity" || o.mode == "share") {

@@ -184,6 +184,32 @@ TEST_CASE("oscar-decode: share holds the common prefix once") {
   CHECK(std::stod(m[1]) > 0);
 }
 
+TEST_CASE("oscar-decode: generate without --cache runs OSCAR with the plan shipped for the default model") {
+  // The main job (README): the default model, no flags. Its answer to the default question
+  // must still name Paris, through a cache whose pages past the first are INT2.
+  Run r = run("generate --max-new-tokens 12");
+  REQUIRE_MESSAGE(r.code == 0, r.err);
+  const bool default_model = model_path().ends_with("/SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (default_model) {
+    CHECK(r.out.find("cache=oscar-fit plan=SmolLM2-135M-Instruct.Q4_1.plan.safetensors ") != std::string::npos);
+    CHECK(r.out.find("Paris") != std::string::npos);
+    std::smatch m;
+    REQUIRE_MESSAGE(std::regex_search(r.out, m, std::regex("\\(bf16: [0-9.]+, ([0-9.]+)x smaller\\)")), r.out);
+    CHECK(std::stod(m[1]) > 2.0);  // ~45 tokens: 2 of 3 pages INT2
+  } else {
+    CHECK(r.out.find("cache=bf16 ") != std::string::npos);  // another model: no plan of its own
+  }
+  // An explicit --cache keeps its meaning; --plan alone implies oscar-fit.
+  r = run("generate --max-new-tokens 2 --cache bf16");
+  REQUIRE_MESSAGE(r.code == 0, r.err);
+  CHECK(r.out.find("cache=bf16 prompt_tokens=") != std::string::npos);
+  r = run("generate --max-new-tokens 2 --plan " + std::string(OSCAR_DECODE_DEFAULT_PLAN));
+  if (default_model) {
+    REQUIRE_MESSAGE(r.code == 0, r.err);
+    CHECK(r.out.find("cache=oscar-fit plan=") != std::string::npos);
+  }
+}
+
 int main(int argc, char** argv) {
   const std::string model = model_path();
   if (!std::ifstream(model)) {
