@@ -63,14 +63,23 @@ std::vector<bf16_t> to_bf16(const std::vector<float>& x) {
 
 using Errors = AttentionErrors;
 
-// Runs the kernel for `ids` (query_tokens empty: decode) and compares with the reference;
-// via_graph captures the launch on a stream into a CUDA graph and replays that (the row-tiled
-// extend's three kernels are chained by programmatic launches, which capture must keep).
+// How run_and_compare runs the kernel (designated initializers at the call sites name what a
+// case changes).
+struct RunOptions {
+  bool kernel_rotates = true;  // q rotated by R_K in the kernel; false: by the engine
+  AttentionPlanOptions plan;
+  int replays = 1;
+  void (*corrupt)(const PagedKvRef&) = nullptr;  // damages the device pools before the run
+  // Captures the launch on a stream into a CUDA graph and replays that (the row-tiled extend's
+  // three kernels are chained by programmatic launches, which capture must keep).
+  bool via_graph = false;
+  bool interleave_int2 = false;  // one INT2 buffer, each (page, head)'s V block after its K block
+};
+
+// Runs the kernel for `ids` (query_tokens empty: decode) and compares with the reference.
 Errors run_and_compare(const PagedCache& cache, const std::vector<RequestId>& ids,
-                       const std::vector<int32_t>& query_tokens, RowGenerator& qgen, bool kernel_rotates,
-                       const AttentionPlanOptions& options = {}, int replays = 1,
-                       void (*corrupt)(const PagedKvRef&) = nullptr, bool via_graph = false,
-                       bool interleave_int2 = false) {
+                       const std::vector<int32_t>& query_tokens, RowGenerator& qgen, const RunOptions& run = {}) {
+  const auto& [kernel_rotates, options, replays, corrupt, via_graph, interleave_int2] = run;
   const CacheConfig& c = cache.config();
   const int d = c.head_dim;
   auto tables = cache.page_tables(ids);
@@ -229,13 +238,13 @@ TEST_CASE("decode matches the reference: head dims, GQA groups, page sizes, segm
       PagedCache cache = make_cache(config_for(s, 2200, int(lengths.size())), rotate, 7);
       const auto ids = fill(cache, lengths, 11);
       RowGenerator qgen(99, s.d);
-      check(run_and_compare(cache, ids, {}, qgen, /*kernel_rotates=*/true));
+      check(run_and_compare(cache, ids, {}, qgen));
       // Many short chunks: every request split, merged by the last block to arrive.
       AttentionPlanOptions many;
       many.min_chunk_bytes = 1;
       many.target_blocks_per_sm = 64;
-      check(run_and_compare(cache, ids, {}, qgen, true, many));
-      if (rotate) check(run_and_compare(cache, ids, {}, qgen, /*kernel_rotates=*/false));
+      check(run_and_compare(cache, ids, {}, qgen, {.plan = many}));
+      if (rotate) check(run_and_compare(cache, ids, {}, qgen, {.kernel_rotates = false}));
     }
   }
 }
@@ -257,13 +266,13 @@ TEST_CASE("INT2 pools with each V block right after its K block (one buffer, int
     PagedCache cache = make_cache(config_for(s, 2200, int(lengths.size())), true, 7);
     const auto ids = fill(cache, lengths, 11);
     RowGenerator qgen(99, s.d);
-    check(run_and_compare(cache, ids, {}, qgen, true, {}, 1, nullptr, false, /*interleave_int2=*/true));
+    check(run_and_compare(cache, ids, {}, qgen, {.interleave_int2 = true}));
     AttentionPlanOptions many;
     many.min_chunk_bytes = 1;
     many.target_blocks_per_sm = 64;
-    check(run_and_compare(cache, ids, {}, qgen, true, many, 1, nullptr, false, true));
+    check(run_and_compare(cache, ids, {}, qgen, {.plan = many, .interleave_int2 = true}));
     const std::vector<int32_t> queries(lengths.size(), 1);  // a one-token extend: causal masks
-    check(run_and_compare(cache, ids, queries, qgen, true, {}, 1, nullptr, false, true));
+    check(run_and_compare(cache, ids, queries, qgen, {.interleave_int2 = true}));
   }
 }
 
@@ -274,7 +283,7 @@ TEST_CASE("a BF16-only cache (the BF16 baseline) and empty INT2 segments") {
   auto tables = cache.page_tables(ids);
   for (const auto& l : segment_lengths(*tables)) CHECK(l.int2 == 0);
   RowGenerator qgen(4, 128);
-  check(run_and_compare(cache, ids, {}, qgen, true));
+  check(run_and_compare(cache, ids, {}, qgen));
 }
 
 TEST_CASE("forked requests read the shared prefix pages") {
@@ -293,7 +302,7 @@ TEST_CASE("forked requests read the shared prefix pages") {
   AttentionPlanOptions many;
   many.min_chunk_bytes = 1;
   many.target_blocks_per_sm = 32;
-  check(run_and_compare(cache, ids, {}, qgen, true, many));
+  check(run_and_compare(cache, ids, {}, qgen, {.plan = many}));
 }
 
 TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the prompt") {
@@ -313,16 +322,16 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     // the query tokens, written before attention as an engine does).
     const std::vector<int32_t> n_new = {5, 1, 40};
     for (size_t b = 0; b < ids.size(); ++b) append_in_chunks(cache, ids[b], n_new[b], {n_new[b]}, keys, values);
-    check(run_and_compare(cache, ids, n_new, qgen, true));
-    check(run_and_compare(cache, ids, n_new, qgen, false));  // q rotated by the engine
+    check(run_and_compare(cache, ids, n_new, qgen));
+    check(run_and_compare(cache, ids, n_new, qgen, {.kernel_rotates = false}));  // q rotated by the engine
     AttentionPlanOptions many;
     many.min_chunk_bytes = 1;
     many.target_blocks_per_sm = 64;
-    check(run_and_compare(cache, ids, n_new, qgen, true, many));
-    check(run_and_compare(cache, ids, n_new, qgen, true, many, 2, nullptr, /*via_graph=*/true));
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = many}));
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = many, .replays = 2, .via_graph = true}));
     AttentionPlanOptions columns = many;
     columns.row_tiled_min_rows = INT32_MAX;
-    check(run_and_compare(cache, ids, n_new, qgen, true, columns));
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = columns}));
   }
 }
 
@@ -405,10 +414,10 @@ TEST_CASE("broken inputs are caught by the comparison") {
   PagedCache cache = make_cache(config_for(s, 400, 1), true, 61);
   const auto ids = fill(cache, {320}, 62);
   RowGenerator qgen(63, 128);
-  check(run_and_compare(cache, ids, {}, qgen, true));
-  const Errors broken = run_and_compare(cache, ids, {}, qgen, true, {}, 1, [](const PagedKvRef& kv) {
+  check(run_and_compare(cache, ids, {}, qgen));
+  const Errors broken = run_and_compare(cache, ids, {}, qgen, {.corrupt = [](const PagedKvRef& kv) {
     CUDA_REQUIRE(cudaMemset(kv.v_int2.data, 0, size_t(kv.v_int2.num_pages) * kv.v_int2.stride_page));
-  });
+  }});
   CHECK(broken.worst > 0.1);
 }
 
