@@ -63,6 +63,15 @@ struct RotationTile {
   bf16_t rows[kTileRows * D];  // the tile's input rows, overwritten by the rotated rows
 };
 
+// An element of R as its bf16 parts: hi = bf16(r), lo = bf16(r - hi).
+struct Bf16Split {
+  uint16_t hi, lo;
+};
+OSCAR_DEVICE Bf16Split split_bf16(float r) {
+  const bf16_t hi = float_to_bf16(r);
+  return {hi.bits, float_to_bf16(r - bf16_to_float(hi)).bits};
+}
+
 // R (16-byte aligned, row-major) -> the block's R_hi / R_lo. All threads; ends synchronized.
 template <int D>
 OSCAR_DEVICE void stage_rotation(const float* rotation, RotationTile<D>& tile) {
@@ -74,16 +83,10 @@ OSCAR_DEVICE void stage_rotation(const float* rotation, RotationTile<D>& tile) {
     uint32_t hi[4], lo[4];
 #pragma unroll
     for (int c = 0; c < 8; c += 2) {
-      uint16_t h[2], l[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float v = __ldg(rotation + (i0 + c + e) * D + j);
-        const bf16_t b = float_to_bf16(v);
-        h[e] = b.bits;
-        l[e] = float_to_bf16(v - bf16_to_float(b)).bits;
-      }
-      hi[c / 2] = h[0] | uint32_t{h[1]} << 16;
-      lo[c / 2] = l[0] | uint32_t{l[1]} << 16;
+      const Bf16Split a = split_bf16(__ldg(rotation + (i0 + c) * D + j));
+      const Bf16Split b = split_bf16(__ldg(rotation + (i0 + c + 1) * D + j));
+      hi[c / 2] = a.hi | uint32_t{b.hi} << 16;
+      lo[c / 2] = a.lo | uint32_t{b.lo} << 16;
     }
     *reinterpret_cast<uint4*>(tile.r_hi + rotation_index<D>(i0, j)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(tile.r_lo + rotation_index<D>(i0, j)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
@@ -94,17 +97,13 @@ OSCAR_DEVICE void stage_rotation(const float* rotation, RotationTile<D>& tile) {
     const int i = idx / (D / 4), j = (idx % (D / 4)) * 4;
     const float4 r = __ldg(reinterpret_cast<const float4*>(rotation) + idx);
     const float v[4] = {r.x, r.y, r.z, r.w};
-    uint16_t hi[4], lo[4];
+    Bf16Split part[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const bf16_t h = float_to_bf16(v[c]);
-      hi[c] = h.bits;
-      lo[c] = float_to_bf16(v[c] - bf16_to_float(h)).bits;
-    }
+    for (int c = 0; c < 4; ++c) part[c] = split_bf16(v[c]);
     *reinterpret_cast<uint2*>(tile.r_hi + rotation_index<D>(i, j)) =
-        make_uint2(hi[0] | uint32_t{hi[1]} << 16, hi[2] | uint32_t{hi[3]} << 16);
+        make_uint2(part[0].hi | uint32_t{part[1].hi} << 16, part[2].hi | uint32_t{part[3].hi} << 16);
     *reinterpret_cast<uint2*>(tile.r_lo + rotation_index<D>(i, j)) =
-        make_uint2(lo[0] | uint32_t{lo[1]} << 16, lo[2] | uint32_t{lo[3]} << 16);
+        make_uint2(part[0].lo | uint32_t{part[1].lo} << 16, part[2].lo | uint32_t{part[3].lo} << 16);
   }
 #endif
   __syncthreads();
