@@ -61,6 +61,9 @@ const std::vector<std::string> kModes = {"generate", "perplexity", "calibrate", 
 #endif
 constexpr const char* kDefaultPlanPath = OSCAR_DECODE_DEFAULT_PLAN;
 
+// The last component of a path: what the outputs and the plan metadata name a file by.
+std::string file_name(const std::string& path) { return std::filesystem::path(path).filename().string(); }
+
 std::string default_model_path() {
   if (const char* m = std::getenv("OSCAR_MODEL"); m && *m) return m;
   std::string dir;
@@ -190,9 +193,8 @@ void apply_default_cache(Options& o) {
     o.cache = "oscar-fit";
     return;
   }
-  const std::string model_name = o.model.substr(o.model.find_last_of('/') + 1);
   std::error_code error;
-  if (model_name != kDefaultModelName || !*kDefaultPlanPath || !std::filesystem::exists(kDefaultPlanPath, error)) {
+  if (file_name(o.model) != kDefaultModelName || !*kDefaultPlanPath || !std::filesystem::exists(kDefaultPlanPath, error)) {
     return;
   }
   o.cache = "oscar-fit";
@@ -485,7 +487,7 @@ int run_generate(const Options& o, const Model& m, const Plans& plans) {
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   const double bf16_bytes = 2.0 * 2.0 * c.head_dim * c.num_kv_heads * c.num_layers;
   std::printf("\n\n");
-  const std::string plan_name = plans.plan ? " plan=" + o.plan.substr(o.plan.find_last_of('/') + 1) : "";
+  const std::string plan_name = plans.plan ? " plan=" + file_name(o.plan) : "";
   std::printf("cache=%s%s prompt_tokens=%zu new_tokens=%lld prefill_tokens_per_s=%.1f decode_tokens_per_s=%.1f\n",
               o.cache.c_str(), plan_name.c_str(), ids.size(), static_cast<long long>(generated),
               static_cast<double>(ids.size()) / prefill_s, generated > 1 ? static_cast<double>(generated - 1) / decode_s : 0.0);
@@ -610,7 +612,7 @@ int run_calibrate(const Options& o, const Model& m) {
   co.held_out_tokens = o.held_out_tokens;
   co.fit.sink_tokens = o.sink_or(64);
   co.fit.recent_tokens = o.recent_or(256);
-  co.fit.model_name = o.model.substr(o.model.find_last_of('/') + 1);
+  co.fit.model_name = file_name(o.model);
   co.fit.threads = static_cast<int>(o.threads);
   if (!oscar::is_supported_head_dim(c.head_dim)) {
     return usage_error("the model's head_dim " + std::to_string(c.head_dim) +
@@ -681,7 +683,7 @@ int run_dump(const Options& o, const Model& m) {
   }
   writer.set_metadata("format", "oscar-activations");
   writer.set_metadata("source", "oscar-decode dump");
-  writer.set_metadata("model", o.model.substr(o.model.find_last_of('/') + 1));
+  writer.set_metadata("model", file_name(o.model));
   writer.set_metadata("text", o.text);
   writer.set_metadata("tokens", std::to_string(T));
   writer.set_metadata("layout", "post-RoPE (Hugging Face half-split), q [T, Hq, d], k/v [T, Hkv, d]");
