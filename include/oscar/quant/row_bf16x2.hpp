@@ -15,8 +15,9 @@
 //  - Codes are three comparisons per pair against per-group thresholds in bf16 (HSET2), not
 //    an fma and three comparisons per element: the code of x is monotone in x, so
 //    quantize_code(clamp(x), q) >= c exactly when x >= b_c for the smallest bf16 value b_c
-//    that reaches c, found once per group by a 16-step bitwise search that evaluates
-//    quantize_code's own arithmetic. No element is clamped: a threshold inside the group's
+//    that reaches c, found once per group: the guess offset + (c - 1/2)·scale rounded to bf16,
+//    proven by quantize_code's own arithmetic on it and its neighbouring key (a 16-step
+//    bitwise search where the proof fails, near zero). No element is clamped: a threshold inside the group's
 //    clamped range (lo, hi], which lies in (-tau, tau], compares the same on the raw and the
 //    clamped value, and one outside it becomes -Inf (every element reaches c) or +Inf (none
 //    does).
@@ -219,8 +220,9 @@ inline constexpr uint32_t kMinusInfBits = 0xff80u, kPlusInfBits = 0x7f80u;
 // for a group whose clamped values lie in [lo, hi] (ordered keys): -Inf where even lo reaches
 // c, +Inf where not even hi does. quantize_code(x, q) >= c exactly when its t >= c, and t is
 // monotone in x, so "t < c" holds on a prefix of the keys up to +Inf: the search builds the
-// prefix's last key bit by bit with quantize_code's own arithmetic.
-OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi) {
+// prefix's last key bit by bit with quantize_code's own arithmetic (16 steps). The reference
+// for level_threshold, and its fallback.
+OSCAR_HOST_DEVICE uint32_t level_threshold_by_search(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi) {
   uint32_t below = 0;  // the largest key known below the threshold (key 0, -NaN, is)
   OSCAR_UNROLL
   for (int bit = 15; bit >= 0; --bit) {
@@ -232,6 +234,52 @@ OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uin
   if (threshold <= lo) return kMinusInfBits;
   if (threshold > hi) return kPlusInfBits;
   return key_bits(threshold);
+}
+
+// quantize_code's t for the bf16 value of a finite key.
+OSCAR_HOST_DEVICE float level_position(const GroupQuantizer& q, uint32_t key) {
+  return fmaf(float_from_bits(key_bits(key) << 16) - q.offset, q.inv_scale, 0.5f);
+}
+
+inline constexpr uint32_t kUnproven = 0xffffffffu;
+
+// The threshold in (lo, hi] (t(lo) < c <= t(hi)) from a guess and a proof, in ~35
+// instructions instead of the search's ~160, or kUnproven. t = fmaf(fl(x - offset),
+// inv_scale, 1/2) reaches c exactly when fl(x - offset) >= D, the least float difference that
+// reaches c (one of (c - 1/2)·scale, exact as scale has 11 significant bits, and its two float
+// neighbours), and that holds for x above the midpoint between D and the float below it:
+// x >= offset + D - h. That boundary, rounded to bf16, is the threshold's key k or the key
+// below it (near zero, where bf16 values are denser than t's float arithmetic, offset + D
+// cancels exactly and the boundary is exact). A key k in (lo, hi] with t(k - 1) < c <= t(k)
+// is the threshold (t is monotone over the keys), whatever the guess was: the answer is exact
+// by its check, not by the guess's error.
+OSCAR_HOST_DEVICE uint32_t proven_level_guess(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi) {
+  const float d0 = (c - 0.5f) * q.scale;  // > 0: scale >= 2^-24
+  const float d_below = float_from_bits(float_bits(d0) - 1u), d_above = float_from_bits(float_bits(d0) + 1u);
+  const float d = fmaf(d_below, q.inv_scale, 0.5f) >= c ? d_below : (fmaf(d0, q.inv_scale, 0.5f) >= c ? d0 : d_above);
+  const float h = 0.5f * (d - float_from_bits(float_bits(d) - 1u));
+  const float boundary = (q.offset + d) - h;
+  uint32_t k = ordered_key((float_bits(boundary) + 0x8000u) >> 16);  // |boundary| < 2^18: no overflow
+  k = k <= lo ? lo + 1 : (k > hi ? hi : k);
+  // Reaches: k is the threshold unless k - 1 (>= lo, finite) reaches too. Does not: k + 1 is,
+  // if it reaches (k < hi here, as t(hi) >= c).
+  const bool reaches = level_position(q, k) >= c;
+  const bool neighbour_reaches = level_position(q, reaches ? k - 1 : k + 1) >= c;
+  return reaches != neighbour_reaches ? key_bits(reaches ? k : k + 1) : kUnproven;
+}
+
+// level_threshold_by_search's answer: the proven guess, the search where the proof fails
+// (rarely: tests/quant/test_row_bf16x2.cpp counts it). t_lo and t_hi are level_position of lo
+// and hi, shared by a group's three levels.
+OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi, float t_lo,
+                                           float t_hi) {
+  if (t_lo >= c) return kMinusInfBits;    // the whole group reaches c
+  if (!(t_hi >= c)) return kPlusInfBits;  // none of it does; else the threshold is in (lo, hi]
+  const uint32_t proven = proven_level_guess(q, c, lo, hi);
+  return proven != kUnproven ? proven : level_threshold_by_search(q, c, lo, hi);
+}
+OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi) {
+  return level_threshold(q, c, lo, hi, level_position(q, lo), level_position(q, hi));
 }
 
 // The quantizer of a group whose extremes are mn, mx (bf16 values), clipped at tau (+Inf: no
@@ -359,9 +407,10 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
     const GroupQuantizer q = clipped_group_quantizer(mn, mx, tau_value, lo, hi);
     meta[g] = q.meta;
     uint32_t level[3];
+    const float t_lo = level_position(q, lo), t_hi = level_position(q, hi);
     OSCAR_UNROLL
     for (int c = 0; c < 3; ++c) {
-      const uint32_t b = level_threshold(q, float(c + 1), lo, hi);
+      const uint32_t b = level_threshold(q, float(c + 1), lo, hi, t_lo, t_hi);
       level[c] = b | b << 16;
     }
     // Word k of the group's codes holds elements 4k..4k+3 of each quarter.
@@ -444,20 +493,15 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
     uint32_t lo, hi;
     const GroupQuantizer q = clipped_group_quantizer(mn, mx, tau_value, lo, hi);
     meta[g] = q.meta;
+    // Both lanes of a split group find all three thresholds: a checked guess costs less than
+    // the shuffle and selects that would share them.
     uint32_t level[3];
-    if constexpr (kSplitGroup) {
-      // Two searches per lane instead of three: h = 0 finds levels 1 and 2, h = 1 levels 3 and 2.
-      const uint32_t own = level_threshold(q, h ? 3.0f : 1.0f, lo, hi);
-      const uint32_t other = partner(own);
-      level[0] = h ? other : own;
-      level[1] = level_threshold(q, 2.0f, lo, hi);
-      level[2] = h ? own : other;
-    } else {
-      OSCAR_UNROLL
-      for (int c = 0; c < 3; ++c) level[c] = level_threshold(q, float(c + 1), lo, hi);
-    }
+    const float t_lo = level_position(q, lo), t_hi = level_position(q, hi);
     OSCAR_UNROLL
-    for (int c = 0; c < 3; ++c) level[c] |= level[c] << 16;
+    for (int c = 0; c < 3; ++c) {
+      const uint32_t b = level_threshold(q, float(c + 1), lo, hi, t_lo, t_hi);
+      level[c] = b | b << 16;
+    }
 
     // Partial words: element e of the half is quarter e / (G/4) of the group (of the row's
     // quarters, this half holds 2h and 2h + 1 when the group is split).
