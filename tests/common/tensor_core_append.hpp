@@ -5,7 +5,9 @@
 //     (kRotationErrorBound of sum_i |x_i R_ij|, plus the bf16 rounding) of the exact product
 //     (double), and few of them different from the FMA-ordered rotation rounded to bf16;
 //   - the rows it stores in INT2 slots: exactly quantize_row() of its own rotated row (from
-//     the BF16 run of the same inputs), i.e. the quantizer is the reference's, bit for bit.
+//     the BF16 run of the same inputs), i.e. the quantizer is the reference's, bit for bit;
+//   - a run that mixes BF16 and INT2 slots within each warp's rows stores each row as its
+//     kind's run did and leaves the other kind's slot untouched.
 #pragma once
 
 #include <algorithm>
@@ -45,6 +47,7 @@ struct TensorCoreAppendReport {
   size_t further_off = 0;      // more than one step (where the sum cancels: a small y_j)
   size_t outside_bound = 0;    // farther from the exact product than the bound; must be 0
   size_t int2_mismatches = 0;  // INT2 bytes that differ from quantize_row of the GPU row; must be 0
+  size_t mixed_mismatches = 0;  // bytes of the mixed BF16 / INT2 run unlike the pure runs'; must be 0
 };
 
 inline int64_t bf16_order(uint16_t bits) {  // bf16 bit patterns -> integers in value order
@@ -99,15 +102,17 @@ inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape
   p.rotation = AppendRotation::kTensorCores;
   p.error_flag = flag.ptr;
   // Run 0 stores every token in BF16 slots, run 1 every token in INT2 slots; poisoned first.
-  for (int32_t int2 : {0, 1}) {
+  // Run 2 (below) mixes them.
+  const auto is_int2_in_mixed_run = [](int t) { return t % 3 != 0; };
+  const auto run = [&](int32_t int2) {
     std::vector<TokenSlot> slots(s.tokens);
-    for (int t = 0; t < s.tokens; ++t) slots[t] = {t / s.page, t % s.page, int2};
+    for (int t = 0; t < s.tokens; ++t) slots[t] = {t / s.page, t % s.page, int2 == 2 ? int32_t{is_int2_in_mixed_run(t)} : int2};
     DeviceArray<TokenSlot> d_slots(slots.size());
     d_slots.upload(slots);
     p.slots = d_slots.ptr;
     k_int2.fill_bytes(0xa5);
     v_int2.fill_bytes(0xa5);
-    if (!int2) {
+    if (int2 != 1) {
       k_bf16.fill_bytes(0xff);
       v_bf16.fill_bytes(0xff);
     }
@@ -116,11 +121,45 @@ inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape
     REQUIRE_MESSAGE(status.ok(), status.to_string());
     CUDA_REQUIRE(cudaDeviceSynchronize());
     REQUIRE(flag.download()[0] == 0);
-  }
+  };
+  run(0);
+  run(1);
 
   TensorCoreAppendReport report;
   const std::vector<bf16_t> out_bf16[2] = {k_bf16.download(), v_bf16.download()};
   const std::vector<uint8_t> out_int2[2] = {k_int2.download(), v_int2.download()};
+
+  // Run 2: a third of the tokens to BF16 slots, the rest to INT2, mixed within every warp's
+  // rows. Each row must store the bytes of its kind's run above (the kernel is deterministic)
+  // and leave the other kind's slot poisoned.
+  run(2);
+  const std::vector<bf16_t> mixed_bf16[2] = {k_bf16.download(), v_bf16.download()};
+  const std::vector<uint8_t> mixed_int2[2] = {k_int2.download(), v_int2.download()};
+  for (int l = 0; l < s.layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int t = 0; t < s.tokens; ++t) {
+        for (int h = 0; h < s.heads; ++h) {
+          const int page = t / s.page, slot = t % s.page;
+          const size_t row = l * bf16_layer + (size_t(page) * s.heads + h) * s.page * d + size_t(slot) * d;
+          const size_t block = l * int2_layer + (size_t(page) * s.heads + h) * layout.block_bytes();
+          const bool int2 = is_int2_in_mixed_run(t);
+          for (int i = 0; i < d; ++i) {
+            report.mixed_mismatches += mixed_bf16[kv][row + i].bits != (int2 ? uint16_t{0xffff} : out_bf16[kv][row + i].bits);
+          }
+          // The slot's code and metadata bytes in the mixed run's block and in the INT2 run's.
+          const auto slot_bytes = [&](const std::vector<uint8_t>& pool) {
+            const uint8_t* b = &pool[block];
+            std::vector<uint8_t> bytes(layout.codes(b, slot), layout.codes(b, slot) + layout.code_bytes_per_row());
+            const auto* meta_bytes = reinterpret_cast<const uint8_t*>(layout.meta(b, slot));
+            bytes.insert(bytes.end(), meta_bytes, meta_bytes + layout.groups_per_row() * sizeof(QuantMeta));
+            return bytes;
+          };
+          const std::vector<uint8_t> got = slot_bytes(mixed_int2[kv]), want = slot_bytes(out_int2[kv]);
+          for (size_t i = 0; i < got.size(); ++i) report.mixed_mismatches += got[i] != (int2 ? want[i] : 0xa5);
+        }
+      }
+    }
+  }
   std::vector<float> x(d), y(d), gpu(d);
   std::vector<double> exact(d), bound(d);
   std::vector<uint8_t> codes(d / 4);

@@ -275,6 +275,7 @@ TEST_CASE("real SmolLM2 activations: the tensor-core bulk append") {
   CHECK(r.outside_bound == 0);
   CHECK((r.one_step_off + r.further_off) * 100 <= r.elements);  // argued in test_write_gpu.cu
   CHECK(r.int2_mismatches == 0);
+  CHECK(r.mixed_mismatches == 0);
 }
 
 int main(int argc, char** argv) {

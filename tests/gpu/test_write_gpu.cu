@@ -162,6 +162,7 @@ TEST_CASE("bulk append on tensor cores: rotation within one bf16 step, quantizat
       // 1% catches a wrong split or a lost term that the bound alone could miss on large sums.
       CHECK((r.one_step_off + r.further_off) * 100 <= r.elements);
       CHECK(r.int2_mismatches == 0);
+      CHECK(r.mixed_mismatches == 0);
     }
   }
 }

@@ -573,12 +573,24 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
   };
   for (uint32_t first = blockIdx.x * kTileRows; first < total; first += gridDim.x * kTileRows) {
     group_sync();  // the previous tile's rows are stored before they are overwritten
-    for (int c = group_thread; c < kGroupRows * kChunks; c += 128) {
-      const int r = group * kGroupRows + c / kChunks;
-      const uint32_t row = first + r;
-      if (row >= total) continue;  // the tile's missing rows are never read back
-      const bf16_t* src = input + (row / heads) * p.in_stride_token + (row % heads) * kHeadDim + (c % kChunks) * 8;
-      ptx::cp_async16(ptx::smem_address(tile.rows + swizzled<kHeadDim>(r, (c % kChunks) * 8)), src);
+    {
+      // A thread copies one 16-byte column of every kRowStep-th row of its warpgroup's half.
+      // Its rows' (token, head) advance by steps, not by a division per row (a 32-bit division
+      // by the runtime head count is ~20 instructions, and this loop runs 8 times a tile).
+      constexpr int kRowStep = 128 / kChunks;
+      const int column = (group_thread % kChunks) * 8;
+      int r = group * kGroupRows + group_thread / kChunks;
+      uint32_t row = first + r, token = row / heads, head = row % heads;
+      for (; r < (group + 1) * kGroupRows && row < total; r += kRowStep, row += kRowStep) {
+        // (rows past `total` are the tile's missing rows: never read back)
+        const bf16_t* src = input + token * p.in_stride_token + head * kHeadDim + column;
+        ptx::cp_async16(ptx::smem_address(tile.rows + swizzled<kHeadDim>(r, column)), src);
+        head += kRowStep;
+        while (head >= heads) {
+          head -= heads;
+          ++token;
+        }
+      }
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
@@ -590,8 +602,10 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
     TokenSlot lane_slot{};
     if (lane_row < total) lane_slot = p.slots[lane_row / heads];
     if (rotation) rotate_warp_rows<kHeadDim>(tile, warp, lane);
-    // Rows bound for the BF16 window: the warp stores each in 16-byte pieces.
-    for (int i = 0; i < 16; ++i) {
+    // Rows bound for the BF16 window: the warp stores each in 16-byte pieces (a bulk prefill's
+    // warps, whose rows are all bound for INT2 pages, skip the loop's 16 rounds of shuffles).
+    const bool all_int2 = __all_sync(kFullMask, lane_row >= total || lane_slot.int2);
+    for (int i = 0; i < 16 && !all_int2; ++i) {
       const int r = warp * 16 + i;
       const uint32_t row = first + r;
       if (row >= total) break;
