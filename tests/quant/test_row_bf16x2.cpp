@@ -137,3 +137,26 @@ TEST_CASE("the checked guess of a level threshold is the search's answer for eve
   MESSAGE(fallbacks << " of " << groups << " thresholds fell back to the search");
   CHECK(fallbacks * 1000 < groups);  // under 0.1 % (none when written): the guess is the path
 }
+
+template <int N>
+void check_sorts_every_0_1_input() {
+  // The 0-1 principle: a comparator network that sorts every 0-1 input sorts every input.
+  // Both halves of each register are lists: the low half gets the input, the high half its
+  // complement, so the two lists are checked independently.
+  int unsorted = 0;
+  for (uint32_t input = 0; input < (1u << N); ++input) {
+    uint32_t v[N];
+    for (int i = 0; i < N; ++i) {
+      const uint32_t bit = (input >> i) & 1u;
+      v[i] = bit | (bit ^ 1u) << 16;
+    }
+    bf16x2::sort_descending(v);
+    for (int i = 1; i < N; ++i) unsorted += (v[i] & 0xffffu) > (v[i - 1] & 0xffffu) || (v[i] >> 16) > (v[i - 1] >> 16);
+  }
+  CHECK(unsorted == 0);
+}
+
+TEST_CASE("sort_descending sorts every 0-1 input, so every input") {
+  check_sorts_every_0_1_input<8>();
+  check_sorts_every_0_1_input<16>();
+}
