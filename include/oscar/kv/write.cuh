@@ -575,20 +575,30 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
     group_sync();  // the previous tile's rows are stored before they are overwritten
     {
       // A thread copies one 16-byte column of every kRowStep-th row of its warpgroup's half.
-      // Its rows' (token, head) advance by steps, not by a division per row (a 32-bit division
-      // by the runtime head count is ~20 instructions, and this loop runs 8 times a tile).
+      // Its source steps by a fixed (token, head) increment with one carry, and its shared
+      // address by a constant (the swizzle repeats every 8 rows): no division per row (a 32-bit
+      // division by the runtime head count is ~20 instructions).
+      // The step of kRowStep rows (token-major, head-minor): kRowStep / heads tokens and
+      // step_heads heads on, plus one token (wrap_elements) when the head passes `heads`.
+      // (Worked out per tile: live across the tile they cost the quantizer registers.)
       constexpr int kRowStep = 128 / kChunks;
-      const int column = (group_thread % kChunks) * 8;
-      int r = group * kGroupRows + group_thread / kChunks;
-      uint32_t row = first + r, token = row / heads, head = row % heads;
-      for (; r < (group + 1) * kGroupRows && row < total; r += kRowStep, row += kRowStep) {
+      static_assert((kGroupRows % kRowStep) == 0 && (kRowStep & 7) == 0, "the swizzle repeats every kRowStep rows");
+      const uint32_t step_heads = kRowStep % heads;
+      const int64_t step_elements = int64_t(kRowStep / heads) * p.in_stride_token + int64_t(step_heads) * kHeadDim;
+      const int64_t wrap_elements = p.in_stride_token - int64_t(heads) * kHeadDim;
+      const int r = group * kGroupRows + group_thread / kChunks, column = (group_thread % kChunks) * 8;
+      uint32_t row = first + r, head = row % heads;
+      const bf16_t* src = input + (row / heads) * p.in_stride_token + head * kHeadDim + column;
+      const uint32_t dst = ptx::smem_address(tile.rows + swizzled<kHeadDim>(r, column));
+      OSCAR_UNROLL
+      for (int j = 0; j < kGroupRows / kRowStep; ++j, row += kRowStep) {
         // (rows past `total` are the tile's missing rows: never read back)
-        const bf16_t* src = input + token * p.in_stride_token + head * kHeadDim + column;
-        ptx::cp_async16(ptx::smem_address(tile.rows + swizzled<kHeadDim>(r, column)), src);
-        head += kRowStep;
-        while (head >= heads) {
+        if (row < total) ptx::cp_async16(dst + j * kRowStep * kHeadDim * int(sizeof(bf16_t)), src);
+        head += step_heads;
+        src += step_elements;
+        if (head >= heads) {
           head -= heads;
-          ++token;
+          src += wrap_elements;
         }
       }
     }
