@@ -26,7 +26,19 @@ namespace oscar::testing {
 struct TensorCoreAppendShape {
   int layers = 2, heads = 2, head_dim = 128, group = 128, page = 16, tokens = 0;
   bool values_prerotated = false;
+  int token_padding = 0;  // input elements after each token's heads (a token stride past heads * d)
 };
+
+// k or v [layer][token][head][dim] laid out with `padding` elements after each token's rows,
+// the padding poisoned (a NaN pattern: a kernel that reads it stores wrong bytes).
+inline std::vector<bf16_t> with_token_padding(const std::vector<bf16_t>& rows, int tokens_total, int row_elements,
+                                             int padding) {
+  std::vector<bf16_t> padded(size_t(tokens_total) * (row_elements + padding), bf16_t{0x7fc1});
+  for (int t = 0; t < tokens_total; ++t) {
+    std::copy_n(rows.begin() + size_t(t) * row_elements, row_elements, padded.begin() + size_t(t) * (row_elements + padding));
+  }
+  return padded;
+}
 
 // Inputs: k, v bf16 [layer][token][head][dim]; k_rotation, v_rotation float [layer][d][d]
 // (empty: identity); clip ranks per layer.
@@ -67,12 +79,14 @@ inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape
   const Int2Layout layout{d, s.group, s.page};
   const size_t bf16_layer = size_t(pages) * s.heads * s.page * d;
   const size_t int2_layer = size_t(pages) * s.heads * layout.block_bytes();
-  DeviceArray<bf16_t> k_bf16(s.layers * bf16_layer), v_bf16(k_bf16.count), d_k(in.k.size()), d_v(in.v.size());
+  const std::vector<bf16_t> k_in = with_token_padding(in.k, s.layers * s.tokens, s.heads * d, s.token_padding);
+  const std::vector<bf16_t> v_in = with_token_padding(in.v, s.layers * s.tokens, s.heads * d, s.token_padding);
+  DeviceArray<bf16_t> k_bf16(s.layers * bf16_layer), v_bf16(k_bf16.count), d_k(k_in.size()), d_v(v_in.size());
   DeviceArray<uint8_t> k_int2(s.layers * int2_layer), v_int2(k_int2.count);
   DeviceArray<float> k_rot(in.k_rotation.size()), v_rot(in.v_rotation.size());
   DeviceArray<int32_t> k_rank(s.layers), v_rank(s.layers), flag(1);
-  d_k.upload(in.k);
-  d_v.upload(in.v);
+  d_k.upload(k_in);
+  d_v.upload(v_in);
   k_rot.upload(in.k_rotation);
   v_rot.upload(in.v_rotation);
   k_rank.upload(in.k_rank);
@@ -95,7 +109,7 @@ inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape
   p.pools = pools;
   p.k = d_k.ptr;
   p.v = d_v.ptr;
-  p.in_stride_token = int64_t{s.heads} * d;
+  p.in_stride_token = int64_t{s.heads} * d + s.token_padding;
   p.in_stride_layer = p.in_stride_token * s.tokens;
   p.num_tokens = s.tokens;
   p.values_prerotated = s.values_prerotated;
@@ -129,9 +143,11 @@ inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape
   const std::vector<bf16_t> out_bf16[2] = {k_bf16.download(), v_bf16.download()};
   const std::vector<uint8_t> out_int2[2] = {k_int2.download(), v_int2.download()};
 
-  // Run 2: a third of the tokens to BF16 slots, the rest to INT2, mixed within every warp's
-  // rows. Each row must store the bytes of its kind's run above (the kernel is deterministic)
-  // and leave the other kind's slot poisoned.
+  // Run 2: a third of the tokens to BF16 slots, the rest to INT2. Slots are per token, so a
+  // warp's 16 rows mix the two where they span a BF16 and an INT2 token (head counts below 16:
+  // at 8 heads a warp holds tokens 2i and 2i + 1, mixed unless both are INT2, and the all-INT2
+  // warps take the kernel's skip of its BF16 loop). Each row must store the bytes of its kind's
+  // run above (the kernel is deterministic) and leave the other kind's slot poisoned.
   run(2);
   const std::vector<bf16_t> mixed_bf16[2] = {k_bf16.download(), v_bf16.download()};
   const std::vector<uint8_t> mixed_int2[2] = {k_int2.download(), v_int2.download()};

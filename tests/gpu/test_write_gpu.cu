@@ -127,7 +127,10 @@ TEST_CASE("append and demote are bit-exact with the CPU reference") {
 TEST_CASE("bulk append on tensor cores: rotation within one bf16 step, quantization bit-exact") {
   const TensorCoreAppendShape shapes[] = {
       {2, 3, 64, 64, 16, 700, false}, {2, 3, 64, 32, 8, 333, true}, {2, 8, 128, 128, 16, 1000, false},
-      {2, 2, 128, 32, 32, 517, true}, {1, 4, 128, 64, 256, 90, false}};
+      {2, 2, 128, 32, 32, 517, true}, {1, 4, 128, 64, 256, 90, false},
+      // Token strides past heads * d (an engine's packed QKV rows; the padding is poisoned) and
+      // head counts of 1 and 16 (the tile loads' head step is 0, or a warp holds one token).
+      {2, 1, 128, 128, 16, 300, false, 24}, {1, 16, 64, 64, 8, 200, false, 64}, {1, 3, 128, 128, 16, 250, false, 8}};
   // The authors' clip ratios (clip ranks within the sorted top-8 / top-16 selections), and
   // 0.85 / 0.80 (ranks past them at d = 128: the bitwise search, its counts exchanged within
   // each pair of lanes while the NaN row's pair has returned).
@@ -139,6 +142,7 @@ TEST_CASE("bulk append on tensor cores: rotation within one bf16 step, quantizat
       CAPTURE(s.heads);
       CAPTURE(s.tokens);
       CAPTURE(s.values_prerotated);
+      CAPTURE(s.token_padding);
       TensorCoreAppendInputs in;
       const size_t rows = size_t(s.layers) * s.tokens * s.heads;
       in.k.resize(rows * s.head_dim);
