@@ -6,8 +6,9 @@
 //     (double), and few of them different from the FMA-ordered rotation rounded to bf16;
 //   - the rows it stores in INT2 slots: exactly quantize_row() of its own rotated row (from
 //     the BF16 run of the same inputs), i.e. the quantizer is the reference's, bit for bit;
-//   - a run that mixes BF16 and INT2 slots within each warp's rows stores each row as its
-//     kind's run did and leaves the other kind's slot untouched.
+//   - a run that mixes BF16 and INT2 slots (per token, so within the warps whose rows span
+//     both kinds) stores each row as its kind's run did and leaves the other kind's slot
+//     untouched.
 #pragma once
 
 #include <algorithm>

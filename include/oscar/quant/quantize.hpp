@@ -66,13 +66,20 @@ OSCAR_HOST_DEVICE GroupQuantizer make_group_quantizer(float mn, float mx, bool f
   return q;
 }
 
-// Nearest level, ties up: floor((x - offset) / scale + 1/2) clamped to 0..3, through an
-// explicit fma so that compilers that contract (nvcc does by default) and those that do not
-// agree bit for bit. floor(t) >= c exactly when t >= c, so the clamped floor is three
-// comparisons (no float-to-int conversion, a quarter-rate instruction on the GPU).
+// t = (x - offset) / scale + 1/2 as every quantizer computes it, from the difference x - offset
+// rounded to float, through an explicit fma so that compilers that contract (nvcc does by
+// default) and those that do not agree bit for bit. The bf16x2 quantizers' level thresholds
+// (row_bf16x2.hpp) are exact because they evaluate this same function.
+OSCAR_HOST_DEVICE float level_position_of_difference(float difference, const GroupQuantizer& q) {
+  return fmaf(difference, q.inv_scale, 0.5f);
+}
+
+// Nearest level, ties up: floor(t) clamped to 0..3. floor(t) >= c exactly when t >= c, so the
+// clamped floor is three comparisons (no float-to-int conversion, a quarter-rate instruction
+// on the GPU).
 OSCAR_HOST_DEVICE uint32_t quantize_code(float x, const GroupQuantizer& q) {
   if (!q.finite) return 0;
-  const float t = fmaf(x - q.offset, q.inv_scale, 0.5f);
+  const float t = level_position_of_difference(x - q.offset, q);
   return uint32_t{t >= 1.0f} + uint32_t{t >= 2.0f} + uint32_t{t >= 3.0f};
 }
 

@@ -15,12 +15,11 @@
 //  - Codes are three comparisons per pair against per-group thresholds in bf16 (HSET2), not
 //    an fma and three comparisons per element: the code of x is monotone in x, so
 //    quantize_code(clamp(x), q) >= c exactly when x >= b_c for the smallest bf16 value b_c
-//    that reaches c, found once per group: the guess offset + (c - 1/2)·scale rounded to bf16,
-//    proven by quantize_code's own arithmetic on it and its neighbouring key (a 16-step
-//    bitwise search where the proof fails, near zero). No element is clamped: a threshold inside the group's
-//    clamped range (lo, hi], which lies in (-tau, tau], compares the same on the raw and the
-//    clamped value, and one outside it becomes -Inf (every element reaches c) or +Inf (none
-//    does).
+//    that reaches c, found once per group: the float boundary where quantize_code's t crosses
+//    c, rounded to bf16, proven by t on that key and its neighbour (a 16-step bitwise search
+//    where the proof fails). No element is clamped: a threshold inside the group's clamped
+//    range (lo, hi], which lies in (-tau, tau], compares the same on the raw and the clamped
+//    value, and one outside it becomes -Inf (every element reaches c) or +Inf (none does).
 //  - Bytes are packed in registers in the format's order with byte permutes.
 //
 // Bit-exact with quantize_row for every finite or non-finite bf16 row, clip rank and group
@@ -245,6 +244,11 @@ OSCAR_HOST_DEVICE uint32_t key_bits(uint32_t key) { return key & 0x8000u ? key &
 inline constexpr uint32_t kPlusInfKey = 0xff80u;  // ordered_key(0x7f80)
 inline constexpr uint32_t kMinusInfBits = 0xff80u, kPlusInfBits = 0x7f80u;
 
+// quantize_code's t for the bf16 value of a key.
+OSCAR_HOST_DEVICE float level_position(const GroupQuantizer& q, uint32_t key) {
+  return level_position_of_difference(float_from_bits(key_bits(key) << 16) - q.offset, q);
+}
+
 // The smallest bf16 value that quantizes to level >= c under q (c = 1, 2, 3), as bf16 bits,
 // for a group whose clamped values lie in [lo, hi] (ordered keys): -Inf where even lo reaches
 // c, +Inf where not even hi does. quantize_code(x, q) >= c exactly when its t >= c, and t is
@@ -256,18 +260,12 @@ OSCAR_HOST_DEVICE uint32_t level_threshold_by_search(const GroupQuantizer& q, fl
   OSCAR_UNROLL
   for (int bit = 15; bit >= 0; --bit) {
     const uint32_t trial = below | (1u << bit);
-    const float v = float_from_bits(key_bits(trial) << 16);
-    if (trial < kPlusInfKey && !(fmaf(v - q.offset, q.inv_scale, 0.5f) >= c)) below = trial;
+    if (trial < kPlusInfKey && !(level_position(q, trial) >= c)) below = trial;
   }
   const uint32_t threshold = below + 1;
   if (threshold <= lo) return kMinusInfBits;
   if (threshold > hi) return kPlusInfBits;
   return key_bits(threshold);
-}
-
-// quantize_code's t for the bf16 value of a finite key.
-OSCAR_HOST_DEVICE float level_position(const GroupQuantizer& q, uint32_t key) {
-  return fmaf(float_from_bits(key_bits(key) << 16) - q.offset, q.inv_scale, 0.5f);
 }
 
 inline constexpr uint32_t kUnproven = 0xffffffffu;
@@ -285,7 +283,9 @@ inline constexpr uint32_t kUnproven = 0xffffffffu;
 OSCAR_HOST_DEVICE uint32_t proven_level_guess(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi) {
   const float d0 = (c - 0.5f) * q.scale;  // > 0: scale >= 2^-24
   const float d_below = float_from_bits(float_bits(d0) - 1u), d_above = float_from_bits(float_bits(d0) + 1u);
-  const float d = fmaf(d_below, q.inv_scale, 0.5f) >= c ? d_below : (fmaf(d0, q.inv_scale, 0.5f) >= c ? d0 : d_above);
+  const float d = level_position_of_difference(d_below, q) >= c ? d_below
+                  : level_position_of_difference(d0, q) >= c    ? d0
+                                                                 : d_above;
   const float h = 0.5f * (d - float_from_bits(float_bits(d) - 1u));
   const float boundary = (q.offset + d) - h;
   uint32_t k = ordered_key((float_bits(boundary) + 0x8000u) >> 16);  // |boundary| < 2^18: no overflow
@@ -309,6 +309,17 @@ OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uin
 }
 OSCAR_HOST_DEVICE uint32_t level_threshold(const GroupQuantizer& q, float c, uint32_t lo, uint32_t hi) {
   return level_threshold(q, c, lo, hi, level_position(q, lo), level_position(q, hi));
+}
+
+// The three level thresholds of a group, each broadcast to both halves of its register (the
+// form quarter_code_bits compares pairs against).
+OSCAR_HOST_DEVICE void level_thresholds(const GroupQuantizer& q, uint32_t lo, uint32_t hi, uint32_t (&level)[3]) {
+  const float t_lo = level_position(q, lo), t_hi = level_position(q, hi);
+  OSCAR_UNROLL
+  for (int c = 0; c < 3; ++c) {
+    const uint32_t b = level_threshold(q, float(c + 1), lo, hi, t_lo, t_hi);
+    level[c] = b | b << 16;
+  }
 }
 
 // The quantizer of a group whose extremes are mn, mx (bf16 values), clipped at tau (+Inf: no
@@ -436,12 +447,7 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
     const GroupQuantizer q = clipped_group_quantizer(mn, mx, tau_value, lo, hi);
     meta[g] = q.meta;
     uint32_t level[3];
-    const float t_lo = level_position(q, lo), t_hi = level_position(q, hi);
-    OSCAR_UNROLL
-    for (int c = 0; c < 3; ++c) {
-      const uint32_t b = level_threshold(q, float(c + 1), lo, hi, t_lo, t_hi);
-      level[c] = b | b << 16;
-    }
+    level_thresholds(q, lo, hi, level);
     // Word k of the group's codes holds elements 4k..4k+3 of each quarter.
     constexpr int kQuarter = kGroup / 4;
     OSCAR_UNROLL
@@ -525,12 +531,7 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
     // Both lanes of a split group find all three thresholds: a checked guess costs less than
     // the shuffle and selects that would share them.
     uint32_t level[3];
-    const float t_lo = level_position(q, lo), t_hi = level_position(q, hi);
-    OSCAR_UNROLL
-    for (int c = 0; c < 3; ++c) {
-      const uint32_t b = level_threshold(q, float(c + 1), lo, hi, t_lo, t_hi);
-      level[c] = b | b << 16;
-    }
+    level_thresholds(q, lo, hi, level);
 
     // Partial words: element e of the half is quarter e / (G/4) of the group (of the row's
     // quarters, this half holds 2h and 2h + 1 when the group is split).
