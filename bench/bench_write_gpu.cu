@@ -62,6 +62,7 @@ struct Setup {
     }
     pools.k_clip_rank = device_copy(std::vector<int32_t>{clip_rank(clip.k, kDim)});
     pools.v_clip_rank = device_copy(std::vector<int32_t>{clip_rank(clip.v, kDim)});
+    pools.max_clip_distance = std::max(clip_distance(clip_rank(clip.k, kDim), kDim), clip_distance(clip_rank(clip.v, kDim), kDim));
     oscar::testing::RowGenerator gen(3, kDim);
     std::vector<bf16_t> rows(size_t(tokens) * kHeads * kDim);
     gen.fill_bf16(rows.data(), size_t(tokens) * kHeads);

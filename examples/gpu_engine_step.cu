@@ -113,6 +113,7 @@ int main() {
   pools.k_rotation = pools.v_rotation = to_device(rotations);
   pools.k_clip_rank = to_device(k_rank);
   pools.v_clip_rank = to_device(v_rank);
+  pools.max_clip_distance = widest_clip_distance(k_rank, v_rank, d);
   int32_t* error_flag = to_device(std::vector<int32_t>{0});
 
   std::vector<host::RequestId> ids{*books->add_request(), *books->add_request()};

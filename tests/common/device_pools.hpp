@@ -98,9 +98,13 @@ class DevicePools {
     view_.v_rotation = rotated ? v_rot_.ptr : nullptr;
     view_.k_clip_rank = k_rank_.ptr;
     view_.v_clip_rank = v_rank_.ptr;
+    view_.max_clip_distance = widest_clip_distance(k_rank, v_rank, config_.head_dim);
   }
 
   const LayeredKvPools& view() const { return view_; }
+  // Overrides the hint that picks the quantizer's compiled form (set from the ranks above, as
+  // an engine sets it): the bytes must be the same for any value.
+  void set_max_clip_distance(int32_t distance) { view_.max_clip_distance = distance; }
 
   // Host pools -> device (every layer).
   void upload(const host::PagedCache& cache) {

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <vector>
 
 #include "common/device_pools.hpp"
@@ -47,6 +48,9 @@ struct TensorCoreAppendInputs {
   std::vector<bf16_t> k, v;
   std::vector<float> k_rotation, v_rotation;
   std::vector<int32_t> k_rank, v_rank;
+  // LayeredKvPools::max_clip_distance, which picks the quantizer's compiled form (the bytes
+  // must not depend on it); unset: widest_clip_distance of the ranks, as an engine sets it.
+  std::optional<int32_t> max_clip_distance;
 };
 
 // |x·R_hi + x·R_lo - x·R| <= 2^-18 sum_i |x_i R_ij| (R_lo is R - R_hi to a bf16 rounding),
@@ -105,6 +109,7 @@ inline TensorCoreAppendReport run_tensor_core_append(const TensorCoreAppendShape
   pools.v_rotation = in.v_rotation.empty() ? nullptr : v_rot.ptr;
   pools.k_clip_rank = k_rank.ptr;
   pools.v_clip_rank = v_rank.ptr;
+  pools.max_clip_distance = in.max_clip_distance.value_or(widest_clip_distance(in.k_rank, in.v_rank, d));
 
   AppendParams p;
   p.pools = pools;

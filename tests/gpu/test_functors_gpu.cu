@@ -58,7 +58,7 @@ __global__ void quantize_kernel(const float* rows, int num_rows, int d, int grou
 }
 
 // A thread per row, as demote_rows_kernel runs it: the row's pairs in registers.
-template <int D, int G>
+template <int D, int G, int S>
 __global__ void quantize_bf16x2_kernel(const uint32_t* rows, int num_rows, int clip_k, uint32_t* words, QuantMeta* meta) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= num_rows) return;
@@ -66,7 +66,7 @@ __global__ void quantize_bf16x2_kernel(const uint32_t* rows, int num_rows, int c
   for (int i = 0; i < D / 2; ++i) x[i] = rows[size_t(r) * (D / 2) + i];
   uint32_t w[D / 16];
   QuantMeta m[D / G];
-  quantize_row_bf16x2<D, G>(x, clip_k, w, m);
+  quantize_row_bf16x2<D, G, S>(x, clip_k, w, m);
   for (int i = 0; i < D / 16; ++i) words[size_t(r) * (D / 16) + i] = w[i];
   for (int g = 0; g < D / G; ++g) meta[size_t(r) * (D / G) + g] = m[g];
 }
@@ -74,7 +74,7 @@ __global__ void quantize_bf16x2_kernel(const uint32_t* rows, int num_rows, int c
 // Two lanes per row, as the tensor-core append runs it: lane l of a warp holds half l / 16 of
 // the warp's row l % 16. Pairs past the last row return at once: the others' shuffles name
 // only their own pair.
-template <int D, int G>
+template <int D, int G, int S>
 __global__ void quantize_half_bf16x2_kernel(const uint32_t* rows, int num_rows, int clip_k, uint32_t* words,
                                             QuantMeta* meta) {
   const int lane = threadIdx.x % 32, h = lane / 16;
@@ -85,7 +85,7 @@ __global__ void quantize_half_bf16x2_kernel(const uint32_t* rows, int num_rows, 
   constexpr int kGroups = kHalfRowGroups<D, G>;
   uint32_t w[D / 32];
   QuantMeta m[kGroups];
-  quantize_half_row_bf16x2<D, G>(x, clip_k, lane, w, m);
+  quantize_half_row_bf16x2<D, G, S>(x, clip_k, lane, w, m);
   for (int i = 0; i < D / 32; ++i) words[size_t(r) * (D / 16) + h * (D / 32) + i] = w[i];
   if (G != D || h == 0) {
     for (int g = 0; g < kGroups; ++g) meta[size_t(r) * (D / G) + h * (G == D ? 0 : kGroups) + g] = m[g];
@@ -209,7 +209,7 @@ TEST_CASE("quantize_row on the GPU is bit-exact with the CPU") {
 // subnormals, signed zeros, ties and non-finite rows: every clip rank, edge rows and random ones
 // (a row count that is not a multiple of 16, so the last warp of half rows has pairs that return
 // at once, and non-finite rows return early beside finite ones).
-template <int D, int G>
+template <int D, int G, int S>
 void check_bf16x2_quantizer_on_gpu() {
   std::vector<std::vector<float>> rows = oscar::testing::quantizer_edge_rows(D, 7 * D + G);
   oscar::testing::RowGenerator gen(3 * D + G, D, 6, 20.0f);
@@ -235,9 +235,9 @@ void check_bf16x2_quantizer_on_gpu() {
       CUDA_REQUIRE(cudaMemset(d_meta.ptr, 0xa5, d_meta.n * sizeof(QuantMeta)));
       if (halves) {
         // 4 warps of 16 rows per block; the last warp's missing rows leave the shuffle mask.
-        quantize_half_bf16x2_kernel<D, G><<<(n + 63) / 64, 128>>>(d_rows.ptr, n, clip_k, d_words.ptr, d_meta.ptr);
+        quantize_half_bf16x2_kernel<D, G, S><<<(n + 63) / 64, 128>>>(d_rows.ptr, n, clip_k, d_words.ptr, d_meta.ptr);
       } else {
-        quantize_bf16x2_kernel<D, G><<<(n + 127) / 128, 128>>>(d_rows.ptr, n, clip_k, d_words.ptr, d_meta.ptr);
+        quantize_bf16x2_kernel<D, G, S><<<(n + 127) / 128, 128>>>(d_rows.ptr, n, clip_k, d_words.ptr, d_meta.ptr);
       }
       CUDA_REQUIRE(cudaGetLastError());
       CUDA_REQUIRE(cudaDeviceSynchronize());
@@ -246,7 +246,7 @@ void check_bf16x2_quantizer_on_gpu() {
       const bool same = std::memcmp(words.data(), want.data(), want.size()) == 0 &&
                         std::memcmp(meta.data(), want_meta.data(), want_meta.size() * sizeof(QuantMeta)) == 0;
       if (!same) {
-        INFO("D " << D << " G " << G << " clip_k " << clip_k << (halves ? " (half rows)" : " (whole rows)"));
+        INFO("D " << D << " G " << G << " selection " << S << " clip_k " << clip_k << (halves ? " (half rows)" : " (whole rows)"));
         CHECK(same);
         ++mismatched_ranks;
       }
@@ -256,11 +256,19 @@ void check_bf16x2_quantizer_on_gpu() {
 }
 
 TEST_CASE("quantize_row_bf16x2 and its half-row form on the GPU are bit-exact with quantize_row on the CPU") {
-  check_bf16x2_quantizer_on_gpu<64, 32>();
-  check_bf16x2_quantizer_on_gpu<64, 64>();
-  check_bf16x2_quantizer_on_gpu<128, 32>();
-  check_bf16x2_quantizer_on_gpu<128, 64>();
-  check_bf16x2_quantizer_on_gpu<128, 128>();
+  // Both compiled forms: with the top-32 selection and without it (distances 17-32 searched).
+  for (const auto check : {check_bf16x2_quantizer_on_gpu<64, 32, kRowBf16x2WidestSelection>,
+                           check_bf16x2_quantizer_on_gpu<64, 64, kRowBf16x2WidestSelection>,
+                           check_bf16x2_quantizer_on_gpu<128, 32, kRowBf16x2WidestSelection>,
+                           check_bf16x2_quantizer_on_gpu<128, 64, kRowBf16x2WidestSelection>,
+                           check_bf16x2_quantizer_on_gpu<128, 128, kRowBf16x2WidestSelection>,
+                           check_bf16x2_quantizer_on_gpu<64, 32, kRowBf16x2NarrowSelection>,
+                           check_bf16x2_quantizer_on_gpu<64, 64, kRowBf16x2NarrowSelection>,
+                           check_bf16x2_quantizer_on_gpu<128, 32, kRowBf16x2NarrowSelection>,
+                           check_bf16x2_quantizer_on_gpu<128, 64, kRowBf16x2NarrowSelection>,
+                           check_bf16x2_quantizer_on_gpu<128, 128, kRowBf16x2NarrowSelection>}) {
+    check();
+  }
 }
 
 TEST_CASE("dense rotation and Hadamard transform on the GPU equal the CPU") {

@@ -4,6 +4,7 @@
 #include "common/gpu_test_main.hpp"
 
 #include <cmath>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -131,12 +132,23 @@ TEST_CASE("bulk append on tensor cores: rotation within one bf16 step, quantizat
       // Token strides past heads * d (an engine's packed QKV rows; the padding is poisoned) and
       // head counts of 1 and 16 (the tile loads' head step is 0, or a warp holds one token).
       {2, 1, 128, 128, 16, 300, false, 24}, {1, 16, 64, 64, 8, 200, false, 64}, {1, 3, 128, 128, 16, 250, false, 8}};
-  // The authors' clip ratios (clip ranks within the sorted top-8 / top-16 selections), and
-  // 0.85 / 0.80 (ranks past them at d = 128: the bitwise search, its counts exchanged within
-  // each pair of lanes while the NaN row's pair has returned).
-  for (const auto& [rho_k, rho_v] : {std::pair{0.96f, 0.92f}, std::pair{0.85f, 0.80f}}) {
+  // The authors' clip ratios (clip distances within the sorted top-8 / top-16 selections);
+  // 0.85 / 0.80 (distances 20 and 26 at d = 128: the top-32 selection); 0.75 / 0.70 (32, the
+  // top-32's last, and 39: the bitwise search, its counts exchanged within each pair of lanes
+  // while the NaN row's pair has returned). Each under the hint an engine sets (nullopt: the
+  // ranks' widest distance), and under hints that run the other compiled form: -1 (unknown:
+  // the form with the top-32 selection) and 16 (the form without it: the search serves 20
+  // and 26). The bytes must not depend on the hint.
+  struct Clip {
+    float rho_k, rho_v;
+    std::optional<int32_t> hint;
+  };
+  for (const Clip& clip : {Clip{0.96f, 0.92f, std::nullopt}, Clip{0.96f, 0.92f, -1}, Clip{0.85f, 0.80f, std::nullopt},
+                           Clip{0.85f, 0.80f, 16}, Clip{0.75f, 0.70f, std::nullopt}}) {
+    const float rho_k = clip.rho_k, rho_v = clip.rho_v;
     for (const TensorCoreAppendShape& s : shapes) {
       CAPTURE(rho_k);
+      CAPTURE(clip.hint.value_or(-2));
       CAPTURE(s.head_dim);
       CAPTURE(s.group);
       CAPTURE(s.heads);
@@ -157,6 +169,7 @@ TEST_CASE("bulk append on tensor cores: rotation within one bf16 step, quantizat
         in.k_rank.push_back(clip_rank(rho_k, s.head_dim));
         in.v_rank.push_back(l == 0 ? clip_rank(rho_v, s.head_dim) : -1);
       }
+      in.max_clip_distance = clip.hint;
       const TensorCoreAppendReport r = run_tensor_core_append(s, in);
       MESSAGE("d " << s.head_dim << " heads " << s.heads << ": of " << r.elements << " rotated elements, "
                    << r.one_step_off << " one bf16 step from the FMA path's, " << r.further_off << " further");
@@ -203,12 +216,32 @@ TEST_CASE("BF16 pools aligned to 2 bytes only: the element-wise fallbacks are bi
 
 TEST_CASE("demotion of NaN rows and at clip ranks past the sorted selections is bit-exact") {
   // A NaN row in the window (no sink, so token 3 is there) is demoted beside finite rows of its
-  // warp; clip ratios 0.85 / 0.80 take the bitwise search at d = 128 (ranks 20 and 26).
+  // warp. Clip ratios 0.85 / 0.80 put the clip distances at 20 and 26 at d = 128 (10 and 13 at
+  // d = 64), 0.75 / 0.70 at 32 and 39 (16 and 20): the top-32 selection and the bitwise
+  // search. Each under the engine's hint (the ranks' widest distance: -2 here), an unknown one
+  // (-1: the compiled form with the top-32 selection) and 16 (the form without it, whose
+  // bitwise search then serves distances 17-32): the same bytes whichever form runs.
+  struct Case {
+    int d;
+    float rho_k, rho_v;
+    int hint;
+  };
+  std::vector<Case> cases;
   for (int d : {64, 128}) {
+    for (const auto& [rho_k, rho_v] : {std::pair{0.85f, 0.80f}, std::pair{0.75f, 0.70f}}) {
+      for (int hint : {-2, -1, 16}) cases.push_back({d, rho_k, rho_v, hint});
+    }
+  }
+  for (const Case& c : cases) {
+    const int d = c.d, hint = c.hint;
+    const float rho_k = c.rho_k, rho_v = c.rho_v;
     CAPTURE(d);
+    CAPTURE(rho_k);
+    CAPTURE(hint);
     CacheConfig config = write_config(d, d == 64 ? 32 : d, 16, 0, 32, 2);
-    PagedCache cache = make_cache(config, true, d + 9, 0.85f, 0.80f);
+    PagedCache cache = make_cache(config, true, d + 9, rho_k, rho_v);
     DevicePools device(cache);
+    if (hint != -2) device.set_max_clip_distance(hint);
     RowGenerator keys(d + 7, d), values(d + 8, d);
     std::vector<RequestId> ids;
     for (int i = 0; i < 2; ++i) ids.push_back(*cache.add_request());

@@ -22,7 +22,7 @@ using oscar::testing::quantizer_edge_rows;
 namespace {
 
 // Returns the number of rows checked; every mismatch is a failed CHECK naming the row.
-template <int D, int G>
+template <int D, int G, int S = kRowBf16x2WidestSelection>
 int check_rows(const std::vector<std::vector<float>>& rows, int clip_k) {
   int checked = 0;
   for (size_t r = 0; r < rows.size(); ++r) {
@@ -38,14 +38,14 @@ int check_rows(const std::vector<std::vector<float>>& rows, int clip_k) {
     QuantMeta got_meta[D / G];
     std::memset(got_words, 0xa5, sizeof got_words);  // poisoned: every word must be written
     std::memset(got_meta, 0xa5, sizeof got_meta);
-    quantize_row_bf16x2<D, G>(pairs, clip_k, got_words, got_meta);
+    quantize_row_bf16x2<D, G, S>(pairs, clip_k, got_words, got_meta);
     uint8_t got_codes[D / 4];
     std::memcpy(got_codes, got_words, sizeof got_codes);  // little-endian words, as the GPU stores them
 
     const bool codes_equal = std::memcmp(got_codes, want_codes, sizeof got_codes) == 0;
     const bool meta_equal = std::memcmp(got_meta, want_meta, sizeof got_meta) == 0;
     if (!codes_equal || !meta_equal) {
-      INFO("D=" << D << " G=" << G << " clip_k=" << clip_k << " row " << r);
+      INFO("D=" << D << " G=" << G << " selection " << S << " clip_k=" << clip_k << " row " << r);
       CHECK(codes_equal);
       CHECK(meta_equal);
     }
@@ -54,22 +54,31 @@ int check_rows(const std::vector<std::vector<float>>& rows, int clip_k) {
   return checked;
 }
 
-template <int D, int G>
+template <int D, int G, int S>
 void check_every_clip_rank() {
   const std::vector<std::vector<float>> rows = quantizer_edge_rows(D, D * 31 + G);
   int checked = 0;
-  for (int clip_k = -1; clip_k < D; ++clip_k) checked += check_rows<D, G>(rows, clip_k);
+  for (int clip_k = -1; clip_k < D; ++clip_k) checked += check_rows<D, G, S>(rows, clip_k);
   CHECK(checked == int(rows.size()) * (D + 1));
+}
+
+template <class F>
+void for_each_selection(F f) {
+  f.template operator()<kRowBf16x2WidestSelection>();
+  f.template operator()<kRowBf16x2NarrowSelection>();
 }
 
 }  // namespace
 
 TEST_CASE("quantize_row_bf16x2 writes quantize_row's bytes for every clip rank") {
-  check_every_clip_rank<64, 32>();
-  check_every_clip_rank<64, 64>();
-  check_every_clip_rank<128, 32>();
-  check_every_clip_rank<128, 64>();
-  check_every_clip_rank<128, 128>();
+  // Both compiled forms: with the top-32 selection and without it (distances 17-32 searched).
+  for_each_selection([]<int S>() {
+    check_every_clip_rank<64, 32, S>();
+    check_every_clip_rank<64, 64, S>();
+    check_every_clip_rank<128, 32, S>();
+    check_every_clip_rank<128, 64, S>();
+    check_every_clip_rank<128, 128, S>();
+  });
 }
 
 TEST_CASE("quantize_row_bf16x2 on many random rows at the authors' clip ratios") {
@@ -159,4 +168,18 @@ void check_sorts_every_0_1_input() {
 TEST_CASE("sort_descending sorts every 0-1 input, so every input") {
   check_sorts_every_0_1_input<8>();
   check_sorts_every_0_1_input<16>();
+}
+
+TEST_CASE("sort_descending<32> sorts random inputs") {
+  // 2^32 0-1 inputs are too many: random 16-bit keys, both halves, instead (the network is
+  // Batcher's construction, the same code as the exhaustively checked 8 and 16).
+  std::mt19937_64 rng(32);
+  int unsorted = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    uint32_t v[32];
+    for (uint32_t& w : v) w = uint32_t(rng()) & (trial % 2 ? 0x000f000fu : 0x7fff7fffu);  // ties, then spread
+    bf16x2::sort_descending(v);
+    for (int i = 1; i < 32; ++i) unsorted += (v[i] & 0xffffu) > (v[i - 1] & 0xffffu) || (v[i] >> 16) > (v[i - 1] >> 16);
+  }
+  CHECK(unsorted == 0);
 }

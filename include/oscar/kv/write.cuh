@@ -491,12 +491,12 @@ OSCAR_DEVICE uint32_t meta_word(const QuantMeta& meta) {
 
 // One thread quantizes a row held as bf16 pairs (quantize_row_bf16x2) and stores it into
 // INT2 block `block` at `token`: the codes in 16-byte pieces, the metadata as words.
-template <int kHeadDim, int kGroup>
+template <int kHeadDim, int kGroup, int kSelection>
 OSCAR_DEVICE void store_quantized_row(const uint32_t (&x)[kHeadDim / 2], int clip_k, const Int2Layout& layout,
                                       uint8_t* block, int token) {
   uint32_t codes[kHeadDim / 16];
   QuantMeta meta[kHeadDim / kGroup];
-  quantize_row_bf16x2<kHeadDim, kGroup>(x, clip_k, codes, meta);
+  quantize_row_bf16x2<kHeadDim, kGroup, kSelection>(x, clip_k, codes, meta);
   uint4* out = reinterpret_cast<uint4*>(layout.codes(block, token));
   OSCAR_UNROLL
   for (int i = 0; i < kHeadDim / 64; ++i) out[i] = make_uint4(codes[4 * i], codes[4 * i + 1], codes[4 * i + 2], codes[4 * i + 3]);
@@ -508,14 +508,14 @@ OSCAR_DEVICE void store_quantized_row(const uint32_t (&x)[kHeadDim / 2], int cli
 // Lanes l and l ^ 16 quantize the halves of one row (quantize_half_row_bf16x2) and store it
 // into INT2 block `block` at `token`: each lane its half of the codes, and the metadata of its
 // groups (of the row's one group: the lane with h = 0).
-template <int kHeadDim, int kGroup>
+template <int kHeadDim, int kGroup, int kSelection>
 OSCAR_DEVICE void store_quantized_half_row(const uint32_t (&x)[kHeadDim / 4], int clip_k, int lane,
                                            const Int2Layout& layout, uint8_t* block, int token) {
   const int h = lane / 16;
   constexpr int kGroups = kHalfRowGroups<kHeadDim, kGroup>;
   uint32_t codes[kHeadDim / 32];
   QuantMeta meta[kGroups];
-  quantize_half_row_bf16x2<kHeadDim, kGroup>(x, clip_k, lane, codes, meta);
+  quantize_half_row_bf16x2<kHeadDim, kGroup, kSelection>(x, clip_k, lane, codes, meta);
   uint8_t* out = layout.codes(block, token) + h * (kHeadDim / 8);
   if constexpr (kHeadDim == 128) {
     *reinterpret_cast<uint4*>(out) = make_uint4(codes[0], codes[1], codes[2], codes[3]);
@@ -546,7 +546,9 @@ inline constexpr int kTileMinBlocks = 2;
 // tile behind a barrier of its own, so the two halves of a block go through their loads,
 // MMAs and quantization independently instead of in lockstep, and the SM's four warpgroups
 // keep its tensor cores, ALUs and memory busy at different times.
-template <int kHeadDim, int kGroup>
+// kSelection: the widest sorted clip selection compiled in (quantize_row_bf16x2; the launcher
+// picks it from LayeredKvPools::max_clip_distance).
+template <int kHeadDim, int kGroup, int kSelection>
 __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor_core_kernel(const AppendParams p) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char s_raw[];
@@ -645,7 +647,7 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
         x[4 * c + 3] = v.w;
       }
       uint8_t* block = plane.int2.block(lane_slot.page, lane_row % heads) + layer * p.pools.int2_stride_layer;
-      store_quantized_half_row<kHeadDim, kGroup>(x, plane.clip_k, lane, plane.int2.layout, block, lane_slot.slot);
+      store_quantized_half_row<kHeadDim, kGroup, kSelection>(x, plane.clip_k, lane, plane.int2.layout, block, lane_slot.slot);
     }
   }
 }
@@ -711,7 +713,7 @@ inline constexpr int kRowMinBlocks = 4;
 template <int kHeadDim>
 inline constexpr int kStagedRowBytes = kHeadDim * 2 + 16;  // + 16: a phase's 16-byte reads hit distinct banks
 
-template <int kHeadDim, int kGroup>
+template <int kHeadDim, int kGroup, int kSelection>  // kSelection: as in append_tensor_core_kernel
 __global__ void __launch_bounds__(kRowWarps * 32, kRowMinBlocks) demote_rows_kernel(const DemoteParams p) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces per row
   __shared__ __align__(16) uint8_t s_rows[kRowWarps][32 * kStagedRowBytes<kHeadDim>];
@@ -755,7 +757,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, kRowMinBlocks) demote_rows_ker
       x[4 * i + 3] = v.w;
     }
     uint8_t* block = plane.int2.block(d.int2_page, head) + layer * p.pools.int2_stride_layer;
-    store_quantized_row<kHeadDim, kGroup>(x, plane.clip_k, layout, block, token);
+    store_quantized_row<kHeadDim, kGroup, kSelection>(x, plane.clip_k, layout, block, token);
   }
 }
 
@@ -894,18 +896,25 @@ ExactAppendLaunch exact_append_launch(const AppendParams& p, int64_t rows) {
   return {false, grid_for(rows, planes, kAppendWarps)};
 }
 
-template <int D, int G>
+// The widest sorted clip selection the bf16x2 quantizers need for these pools: the narrow form
+// (fewer registers) only where the host says every clip distance is within it. Either form
+// writes the same bytes for any rank; the narrow one takes the bitwise search past 16.
+inline bool wide_clip_selection(const LayeredKvPools& pools) {
+  return pools.max_clip_distance < 0 || pools.max_clip_distance > kRowBf16x2NarrowSelection;
+}
+
+template <int D, int G, int S>
 Status launch_append_tensor_cores(const AppendParams& params, int64_t rows, cudaStream_t stream) {
   if constexpr (D > 128) {
     return unsupported("append_kv: no tensor-core rotation for head_dim " + std::to_string(D));
   } else {
     constexpr int smem = sizeof(RotationTile<D>);
     static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
-        cudaFuncSetAttribute(append_tensor_core_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaFuncSetAttribute(append_tensor_core_kernel<D, G, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
     static const int per_sm = [] {
       int blocks = 1;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, append_tensor_core_kernel<D, G>, kTileWarps * 32, smem);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, append_tensor_core_kernel<D, G, S>, kTileWarps * 32, smem);
       return blocks > 0 ? blocks : 1;
     }();
     // Enough blocks to fill the GPU once; each stages its plane's R once and loops over tiles.
@@ -913,7 +922,7 @@ Status launch_append_tensor_cores(const AppendParams& params, int64_t rows, cuda
     const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
     const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, cap)), static_cast<unsigned>(planes));
-    append_tensor_core_kernel<D, G><<<grid, kTileWarps * 32, smem, stream>>>(params);
+    append_tensor_core_kernel<D, G, S><<<grid, kTileWarps * 32, smem, stream>>>(params);
     return cuda_status(cudaGetLastError(), "append_kv launch");
   }
 }
@@ -949,7 +958,11 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
   }
   const Int2Layout& layout = params.pools.k_int2.layout;
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
-    if (tensor_cores) return launch_append_tensor_cores<D, G>(params, rows, stream);
+    if (tensor_cores) {
+      return wide_clip_selection(params.pools)
+                 ? launch_append_tensor_cores<D, G, kRowBf16x2WidestSelection>(params, rows, stream)
+                 : launch_append_tensor_cores<D, G, kRowBf16x2NarrowSelection>(params, rows, stream);
+    }
     const ExactAppendLaunch launch = exact_append_launch<D, G>(params, rows);
     if constexpr (kColumnKernelFits<D>) {
       if (launch.columns) {
@@ -1002,15 +1015,18 @@ inline Status demote_kv(const DemoteParams& params, cudaStream_t stream = nullpt
   return dispatch_shape(layout.head_dim, layout.quant_group_size, [&]<int D, int G>() {
     if constexpr (D <= 128) {
       if (rows_kernel) {
-        // 4 blocks per SM need 139 KB of shared memory: ask for the largest carveout. Set at
-        // every launch, as paged_attention sets its attributes: a host call (none in a graph
-        // replay), and it survives cudaDeviceReset, which a once-flag would not.
-        OSCAR_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(demote_rows_kernel<D, G>,
-                                                               cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                               cudaSharedmemCarveoutMaxShared),
-                                          "demote_kv: shared-memory carveout"));
-        demote_rows_kernel<D, G><<<grid_for((rows + 31) / 32, planes, kRowWarps), kRowWarps * 32, 0, stream>>>(params);
-        return cuda_status(cudaGetLastError(), "demote_kv launch");
+        const auto launch = [&](auto kernel) {
+          // 4 blocks per SM need 139 KB of shared memory: ask for the largest carveout. Set at
+          // every launch, as paged_attention sets its attributes: a host call (none in a graph
+          // replay), and it survives cudaDeviceReset, which a once-flag would not.
+          OSCAR_RETURN_IF_ERROR(cuda_status(
+              cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+              "demote_kv: shared-memory carveout"));
+          kernel<<<grid_for((rows + 31) / 32, planes, kRowWarps), kRowWarps * 32, 0, stream>>>(params);
+          return cuda_status(cudaGetLastError(), "demote_kv launch");
+        };
+        return wide_clip_selection(params.pools) ? launch(demote_rows_kernel<D, G, kRowBf16x2WidestSelection>)
+                                                 : launch(demote_rows_kernel<D, G, kRowBf16x2NarrowSelection>);
       }
     }
     demote_kernel<D, G><<<grid_for(items, planes), kThreads, 0, stream>>>(params);

@@ -10,8 +10,10 @@
 //
 //  - The clip threshold (the L-th largest magnitude, L = head_dim - clip_k) comes from a
 //    bitonic top-N selection over 16-bit magnitudes (VIMNMX.U16x2: the two halves of a
-//    register are two independent lists), not from serial pops. N = 8 or 16 by L; above 16
-//    (clip ratios below ~0.875 at d = 128) a bitwise search with 16x2 counts.
+//    register are two independent lists), not from serial pops. N = 8, 16 or 32 by L, up to
+//    the widest selection compiled in (kWidestSelection, 16 or 32: the top-32 list costs
+//    registers that spill in the thread-per-row demotion, so a caller whose clip ranks are all
+//    within 16 compiles it out); past it a bitwise search with 16x2 counts.
 //  - Codes are three comparisons per pair against per-group thresholds in bf16 (HSET2), not
 //    an fma and three comparisons per element: the code of x is monotone in x, so
 //    quantize_code(clamp(x), q) >= c exactly when x >= b_c for the smallest bf16 value b_c
@@ -190,11 +192,13 @@ inline constexpr uint32_t kMagnitudes = 0x7fff7fffu;
 
 // The N largest magnitudes of the row, sorted descending, in both halves of top[] (the
 // halves' two lists, of the even and the odd elements, merged at the end).
+// Lists shorter than N (N > kPairs) are padded with zero magnitudes, which cannot move a
+// larger magnitude down the list.
 template <int N, int kPairs>
 OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_t (&top)[N]) {
-  static_assert(kPairs % N == 0, "the row splits into blocks of N pairs");
+  static_assert(kPairs % N == 0 || N % kPairs == 0, "the row splits into blocks of N pairs, or fits one");
   OSCAR_UNROLL
-  for (int i = 0; i < N; ++i) top[i] = row[i] & kMagnitudes;
+  for (int i = 0; i < N; ++i) top[i] = i < kPairs ? row[i] & kMagnitudes : 0u;
   sort_descending(top);
   OSCAR_UNROLL
   for (int start = N; start < kPairs; start += N) {
@@ -207,13 +211,15 @@ OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_
     for (int i = 0; i < N; ++i) top[i] = max_u16(top[i], block[N - 1 - i]);
     merge_descending(top);
   }
-  // The same step between the halves: the low list against the high one reversed.
-  uint32_t both[N];
+  // The same step between the halves: the low list against the high one reversed (in place,
+  // a pair of entries at a time: no second list of N registers).
   OSCAR_UNROLL
-  for (int i = 0; i < N; ++i) both[i] = max_u16(top[i], swap_halves(top[N - 1 - i]));
-  merge_descending(both);
-  OSCAR_UNROLL
-  for (int i = 0; i < N; ++i) top[i] = both[i];
+  for (int i = 0; i < N / 2; ++i) {
+    const uint32_t a = top[i], b = top[N - 1 - i];
+    top[i] = max_u16(a, swap_halves(b));
+    top[N - 1 - i] = max_u16(b, swap_halves(a));
+  }
+  merge_descending(top);
 }
 
 // The k-th smallest magnitude (zero-based) for clip ranks past the sorted selections: a
@@ -374,8 +380,11 @@ OSCAR_HOST_DEVICE uint32_t quarter_code_bits(uint32_t a, uint32_t b, const uint3
 
 }  // namespace bf16x2
 
-// Largest clip rank distance (head_dim - clip_k) served by the 8- and 16-wide selections.
-inline constexpr int kRowBf16x2SortedRanks = 16;
+// The widest sorted clip selection a quantizer form compiles in: clip distances (head_dim -
+// clip_k) up to it are selected by sorting, larger ones by the bitwise search. The same bytes
+// either way.
+inline constexpr int kRowBf16x2WidestSelection = 32;
+inline constexpr int kRowBf16x2NarrowSelection = 16;
 
 namespace bf16x2 {
 // The row's largest magnitude (finiteness: bf16 Inf/NaN magnitudes are >= 0x7f80) and its clip
@@ -383,12 +392,13 @@ namespace bf16x2 {
 // as magnitude bits, from this thread's pairs of the row. A row split over lanes joins its
 // parts with the hooks: join_top(top) turns this thread's descending top list into the row's,
 // join_max(m) a max of magnitudes, count_both(c) a pair of half-counts (a whole row: none).
-template <int kHeadDim, int kPairs, class JoinTop, class JoinMax, class CountBoth>
+template <int kHeadDim, int kWidestSelection, int kPairs, class JoinTop, class JoinMax, class CountBoth>
 OSCAR_HOST_DEVICE void largest_and_clip(const uint32_t (&row)[kPairs], int clip_k, JoinTop join_top, JoinMax join_max,
                                         CountBoth count_both, uint32_t& largest, uint32_t& tau) {
   largest = 0;
   tau = 0x7f80u;
   const int rank = kHeadDim - clip_k;
+  static_assert(kWidestSelection == 16 || kWidestSelection == 32, "selections of 16 or 32");
   const auto select = [&](auto& top) {
     largest_magnitudes(row, top);
     join_top(top);
@@ -398,8 +408,11 @@ OSCAR_HOST_DEVICE void largest_and_clip(const uint32_t (&row)[kPairs], int clip_
   if (clip_k >= 0 && rank <= 8) {
     uint32_t top[8];
     select(top);
-  } else if (clip_k >= 0 && rank <= kRowBf16x2SortedRanks) {
+  } else if (clip_k >= 0 && rank <= 16) {
     uint32_t top[16];
+    select(top);
+  } else if (clip_k >= 0 && rank <= kWidestSelection) {  // (dead where kWidestSelection = 16)
+    uint32_t top[kWidestSelection];
     select(top);
   } else {
     uint32_t m = 0;
@@ -416,7 +429,7 @@ OSCAR_HOST_DEVICE void largest_and_clip(const uint32_t (&row)[kPairs], int clip_
 // row[i], 2i + 1 in the high half) with clip rank clip_k (clip_rank(); < 0: no clipping).
 // Writes the packed codes as kHeadDim / 16 little-endian words (bytes in the format's order)
 // and the fp16 metadata of each group: the bytes quantize_row() writes for the same row.
-template <int kHeadDim, int kGroup>
+template <int kHeadDim, int kGroup, int kWidestSelection = kRowBf16x2WidestSelection>
 OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], int clip_k,
                                            uint32_t (&codes)[kHeadDim / 16], QuantMeta (&meta)[kHeadDim / kGroup]) {
   using namespace bf16x2;
@@ -426,7 +439,7 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
 
   uint32_t largest, tau;
   const auto same = [](uint32_t v) { return v; };
-  largest_and_clip<kHeadDim>(row, clip_k, [](auto&) {}, same, same, largest, tau);
+  largest_and_clip<kHeadDim, kWidestSelection>(row, clip_k, [](auto&) {}, same, same, largest, tau);
   const bool finite = largest < 0x7f80u;
   if (!finite) {
     // NaN metadata and zero codes in every group, as quantize_row stores a non-finite row.
@@ -477,7 +490,7 @@ inline constexpr int kHalfRowGroups = kGroup == kHeadDim ? 1 : kHeadDim / 2 / kG
 // pair call it; other pairs need not (a pair's shuffles name only its two lanes, which take
 // the same branches, a non-finite row's early return included). The bytes are quantize_row's
 // (test_functors_gpu).
-template <int kHeadDim, int kGroup>
+template <int kHeadDim, int kGroup, int kWidestSelection = kRowBf16x2WidestSelection>
 __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[kHeadDim / 4], int clip_k, int lane,
                                                          uint32_t (&words)[kHeadDim / 32],
                                                          QuantMeta (&meta)[kHalfRowGroups<kHeadDim, kGroup>]) {
@@ -494,15 +507,18 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
   // The row's top list: this half's against the partner's reversed, merged.
   const auto join_top = [&](auto& top) {
     constexpr int N = std::extent_v<std::remove_reference_t<decltype(top)>>;
-    uint32_t other[N];
+    // A pair of entries at a time, both shuffled before either is replaced (the partner reads
+    // this lane's originals): no second list of N registers.
     OSCAR_UNROLL
-    for (int i = 0; i < N; ++i) other[i] = partner(top[i]);
-    OSCAR_UNROLL
-    for (int i = 0; i < N; ++i) top[i] = max_u16(top[i], other[N - 1 - i]);
+    for (int i = 0; i < N / 2; ++i) {
+      const uint32_t other_low = partner(top[N - 1 - i]), other_high = partner(top[i]);
+      top[i] = max_u16(top[i], other_low);
+      top[N - 1 - i] = max_u16(top[N - 1 - i], other_high);
+    }
     merge_descending(top);
   };
   uint32_t largest, tau;
-  largest_and_clip<kHeadDim>(half, clip_k, join_top, [&](uint32_t m) { return max_u16(m, partner(m)); },
+  largest_and_clip<kHeadDim, kWidestSelection>(half, clip_k, join_top, [&](uint32_t m) { return max_u16(m, partner(m)); },
                              [&](uint32_t c) { return c + partner(c); }, largest, tau);
   if (largest >= 0x7f80u) {  // a NaN or Inf anywhere in the row
     const GroupQuantizer q = make_group_quantizer(0.0f, 0.0f, false);
