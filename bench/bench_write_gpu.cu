@@ -34,8 +34,9 @@ T* device_copy(const std::vector<T>& host) {
 
 // Clip ratios of K and V. The authors' 0.96 / 0.92 put the clip threshold at the 6th and 11th
 // largest magnitude of 128 (the quantizers' top-8 and top-16 selections); the fitted plan of
-// SmolLM2 has ~0.92 / 0.87, which at d = 128 put V's at the 17th (past the sorted selections:
-// the bitwise search).
+// SmolLM2 has ~0.92 / 0.87, which at d = 128 put V's at the 17th (past the top-16: the top-32
+// selection of the quantizers' wide form, which max_clip_distance picks here; the narrow form
+// would search).
 struct ClipRatios {
   float k = 0.96f, v = 0.92f;
 };

@@ -6,7 +6,9 @@
 // values are densest).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -182,4 +184,53 @@ TEST_CASE("sort_descending<32> sorts random inputs") {
     for (int i = 1; i < 32; ++i) unsorted += (v[i] & 0xffffu) > (v[i - 1] & 0xffffu) || (v[i] >> 16) > (v[i - 1] >> 16);
   }
   CHECK(unsorted == 0);
+}
+
+namespace {
+
+// largest_magnitudes<N>(row) against a sort of the row's magnitudes: entry i of both halves is
+// the i-th largest (0 past the row's 2·kPairs values), and the lane join of the half-row form
+// (this list against the partner's reversed, then merged) gives the two rows' union.
+template <int N, int kPairs>
+int count_wrong_top_lists(std::mt19937_64& rng, int trials) {
+  int wrong = 0;
+  for (int trial = 0; trial < trials; ++trial) {
+    uint32_t rows[2][kPairs];
+    std::vector<uint32_t> mags[3];  // lane 0, lane 1, both
+    for (int lane = 0; lane < 2; ++lane) {
+      for (uint32_t& w : rows[lane]) {
+        w = uint32_t(rng()) & (trial % 3 == 0 ? 0x800f800fu : 0xffffffffu);  // many ties and signs, then spread
+        for (const uint32_t m : {w & 0x7fffu, (w >> 16) & 0x7fffu}) {
+          mags[lane].push_back(m);
+          mags[2].push_back(m);
+        }
+      }
+    }
+    for (auto& m : mags) std::sort(m.begin(), m.end(), std::greater<>());
+    uint32_t top[2][N];
+    for (int lane = 0; lane < 2; ++lane) {
+      bf16x2::largest_magnitudes(rows[lane], top[lane]);
+      for (int i = 0; i < N; ++i) {
+        const uint32_t want = i < int(mags[lane].size()) ? mags[lane][i] : 0u;
+        wrong += (top[lane][i] & 0xffffu) != want || (top[lane][i] >> 16) != want;
+      }
+    }
+    uint32_t joined[N];
+    for (int i = 0; i < N; ++i) joined[i] = bf16x2::max_u16(top[0][i], top[1][N - 1 - i]);
+    bf16x2::merge_descending(joined);
+    for (int i = 0; i < N; ++i) wrong += (joined[i] & 0xffffu) != mags[2][i];
+  }
+  return wrong;
+}
+
+}  // namespace
+
+TEST_CASE("largest_magnitudes: the sorted top lists, lists longer than the row padded, and the lane join") {
+  std::mt19937_64 rng(17);
+  CHECK(count_wrong_top_lists<8, 16>(rng, 3000) == 0);
+  CHECK(count_wrong_top_lists<16, 16>(rng, 3000) == 0);
+  CHECK(count_wrong_top_lists<16, 32>(rng, 3000) == 0);
+  CHECK(count_wrong_top_lists<32, 16>(rng, 3000) == 0);  // d = 64 half rows: 16 pairs, 32 entries
+  CHECK(count_wrong_top_lists<32, 32>(rng, 3000) == 0);
+  CHECK(count_wrong_top_lists<32, 64>(rng, 3000) == 0);
 }

@@ -702,7 +702,8 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const DemoteParams p) 
 // tensor-core append runs them, measured slower here: 22.2 against 20.6 us at 256 pages on
 // the H100, 37 % more instructions for the exchanges and the shared threshold searches.)
 inline constexpr int kRowWarps = 4;
-// 4 blocks of 4 warps per SM: 128 registers without spills (164 unbounded, which allowed 3),
+// 4 blocks of 4 warps per SM: 128 registers, without spills in the narrow quantizer form (164
+// unbounded, which allowed 3; the wide form's top-32 list spills 108-116 bytes at d = 128),
 // and 528 resident blocks on 132 SMs hold a 256-page demotion's 512 blocks in one wave
 // (3 per SM made 1.3 waves: H100, 21.3 against 20.6 us).
 #if defined(OSCAR_ROW_MIN_BLOCKS)
