@@ -193,14 +193,24 @@ inline constexpr uint32_t kMagnitudes = 0x7fff7fffu;
 
 // The N largest magnitudes of the row, sorted descending, in both halves of top[] (the
 // halves' two lists, of the even and the odd elements, merged at the end).
-// Lists shorter than N (N > kPairs) are padded with zero magnitudes, which cannot move a
-// larger magnitude down the list.
+// Lists shorter than N (N > kPairs: the top-32 of a d = 64 half row's 16 pairs) are sorted
+// as they are and padded with zero magnitudes, which cannot move a larger magnitude down the
+// list (sorting the pads too would cost 128 more compare-exchanges).
 template <int N, int kPairs>
 OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_t (&top)[N]) {
   static_assert(kPairs % N == 0 || N % kPairs == 0, "the row splits into blocks of N pairs, or fits one");
-  OSCAR_UNROLL
-  for (int i = 0; i < N; ++i) top[i] = i < kPairs ? row[i] & kMagnitudes : 0u;
-  sort_descending(top);
+  if constexpr (N > kPairs) {
+    uint32_t sorted[kPairs];
+    OSCAR_UNROLL
+    for (int i = 0; i < kPairs; ++i) sorted[i] = row[i] & kMagnitudes;
+    sort_descending(sorted);
+    OSCAR_UNROLL
+    for (int i = 0; i < N; ++i) top[i] = i < kPairs ? sorted[i] : 0u;
+  } else {
+    OSCAR_UNROLL
+    for (int i = 0; i < N; ++i) top[i] = row[i] & kMagnitudes;
+    sort_descending(top);
+  }
   OSCAR_UNROLL
   for (int start = N; start < kPairs; start += N) {
     uint32_t block[N];
