@@ -152,6 +152,22 @@ void BM_AppendDecode(benchmark::State& state) {
 }
 BENCHMARK(BM_AppendDecode)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Arg(32)->Arg(64)->Arg(128)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// Decode appends rotated on tensor cores (AppendRotation::kTensorCores; kAuto keeps the exact
+// FMA path below 4096 rows): R split into bf16 hi + lo as in the bulk append, each element
+// within 2^-15·Σ|x_i R_ij| of the exact rotation, not the CPU reference's bytes. Whether the
+// split rotation brings a decode append within 2x of the launch, which the exact path does
+// not reach (its shared-memory reads of R bound it).
+void BM_AppendDecodeTensorCores(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  Setup s(16, batch + 1, batch, true);
+  AppendParams p = decode_append(s, batch);
+  p.rotation = AppendRotation::kTensorCores;
+  const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
+  oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
+  report_copy_share(state);
+}
+BENCHMARK(BM_AppendDecodeTensorCores)->Arg(1)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 // Decode appends where the engine folds the rotations, as the method allows: R_V into W_V
 // (values_prerotated: only K is rotated here, rotate_k = 1), or R_K too, applied in its RoPE
 // kernel (rotate_k = 0: no rotation here, the append is a copy into the window).
