@@ -41,13 +41,14 @@ struct DeviceBuffer {
 };
 
 __global__ void convert_kernel(const float* in, int n, uint16_t* fp16_ours, uint16_t* fp16_cuda,
-                               uint16_t* bf16_ours, uint16_t* bf16_cuda) {
+                               uint16_t* bf16_ours, uint16_t* bf16_cuda, uint32_t* bf16_pairs) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   fp16_ours[i] = float_to_fp16(in[i]).bits;
   fp16_cuda[i] = __half_as_ushort(__float2half_rn(in[i]));
   bf16_ours[i] = float_to_bf16(in[i]).bits;
   bf16_cuda[i] = __bfloat16_as_ushort(__float2bfloat16_rn(in[i]));
+  bf16_pairs[i] = bf16_pair_bits(in[i], in[(i + 1) % n]);  // (each value once low, once high)
 }
 
 __global__ void quantize_kernel(const float* rows, int num_rows, int d, int group, int clip_k,
@@ -122,14 +123,20 @@ TEST_CASE("fp16/bf16 conversion: ours on the GPU == ours on the CPU == CUDA intr
   }
   DeviceBuffer<float> d_in(n);
   DeviceBuffer<uint16_t> a(n), b(n), c(n), e(n);
+  DeviceBuffer<uint32_t> pairs(n);
   d_in.upload(in);
-  convert_kernel<<<(n + 255) / 256, 256>>>(d_in.ptr, n, a.ptr, b.ptr, c.ptr, e.ptr);
+  convert_kernel<<<(n + 255) / 256, 256>>>(d_in.ptr, n, a.ptr, b.ptr, c.ptr, e.ptr, pairs.ptr);
   CUDA_REQUIRE(cudaGetLastError());
   CUDA_REQUIRE(cudaDeviceSynchronize());
   const auto fp16_ours = a.download(), fp16_cuda = b.download(), bf16_ours = c.download(), bf16_cuda = e.download();
-  int mismatches = 0;
+  const auto bf16_pairs = pairs.download();
+  int mismatches = 0, pair_mismatches = 0, nans = 0;
   for (int i = 0; i < n; ++i) {
     const bool nan = std::isnan(in[i]);
+    nans += nan;
+    // bf16_pair_bits (cvt.rn.bf16x2.f32 and a NaN select on sm_90) == float_to_bf16 of both,
+    // NaNs included: one canonical NaN, as the integer path makes.
+    pair_mismatches += bf16_pairs[i] != (uint32_t{float_to_bf16(in[i]).bits} | uint32_t{float_to_bf16(in[(i + 1) % n]).bits} << 16);
     mismatches += fp16_ours[i] != float_to_fp16(in[i]).bits;
     mismatches += bf16_ours[i] != float_to_bf16(in[i]).bits;
     if (!nan) {  // NaN payloads may differ; both are NaN
@@ -138,6 +145,8 @@ TEST_CASE("fp16/bf16 conversion: ours on the GPU == ours on the CPU == CUDA intr
     }
   }
   CHECK(mismatches == 0);
+  CHECK(pair_mismatches == 0);
+  CHECK(nans > 0);  // the random bit patterns include NaNs (and subnormals, Inf, overflow to Inf)
 }
 
 TEST_CASE("quantize_row on the GPU is bit-exact with the CPU") {

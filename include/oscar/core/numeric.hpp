@@ -56,6 +56,24 @@ OSCAR_HOST_DEVICE bf16_t float_to_bf16(float value) {
   return bf16_t{static_cast<uint16_t>(rounded >> 16)};
 }
 
+// float_to_bf16 of two floats, packed: lo in bits 0-15, hi in bits 16-31. On sm_90 and later
+// one cvt.rn.bf16x2.f32 (round to nearest, ties to even, subnormals kept: the rounding of
+// float_to_bf16, which test_functors_gpu checks against CUDA's on a million floats) and a
+// select that turns every NaN into float_to_bf16's canonical 0x7fc0, three instructions where
+// the integer steps take about ten per element (the tensor-core rotation's epilogue converts
+// 64 accumulators per thread and tile).
+OSCAR_HOST_DEVICE uint32_t bf16_pair_bits(float lo, float hi) {
+#if OSCAR_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // (bf16x2 set: sm_90)
+  uint32_t packed;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));  // a -> upper half, b -> lower
+  uint32_t nan;  // 0xffff in each half that is a NaN (unordered with itself)
+  asm("set.neu.u32.bf16x2 %0, %1, %1;" : "=r"(nan) : "r"(packed));
+  return (packed & ~nan) | (0x7fc07fc0u & nan);
+#else
+  return uint32_t{float_to_bf16(lo).bits} | uint32_t{float_to_bf16(hi).bits} << 16;
+#endif
+}
+
 OSCAR_HOST_DEVICE float bf16_to_float(bf16_t value) {
   return float_from_bits(static_cast<uint32_t>(value.bits) << 16);
 }
