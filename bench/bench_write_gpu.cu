@@ -61,9 +61,10 @@ struct Setup {
       pools.k_rotation = device_copy(oscar::testing::random_orthogonal(kDim, 1));
       pools.v_rotation = device_copy(oscar::testing::random_orthogonal(kDim, 2));
     }
-    pools.k_clip_rank = device_copy(std::vector<int32_t>{clip_rank(clip.k, kDim)});
-    pools.v_clip_rank = device_copy(std::vector<int32_t>{clip_rank(clip.v, kDim)});
-    pools.max_clip_distance = std::max(clip_distance(clip_rank(clip.k, kDim), kDim), clip_distance(clip_rank(clip.v, kDim), kDim));
+    const std::vector<int32_t> k_rank{clip_rank(clip.k, kDim)}, v_rank{clip_rank(clip.v, kDim)};
+    pools.k_clip_rank = device_copy(k_rank);
+    pools.v_clip_rank = device_copy(v_rank);
+    pools.max_clip_distance = widest_clip_distance(k_rank, v_rank, kDim);
     oscar::testing::RowGenerator gen(3, kDim);
     std::vector<bf16_t> rows(size_t(tokens) * kHeads * kDim);
     gen.fill_bf16(rows.data(), size_t(tokens) * kHeads);

@@ -221,30 +221,32 @@ TEST_CASE("demotion of NaN rows and at clip distances past 16 and 32 is bit-exac
   // A NaN row in the window (no sink, so token 3 is there) is demoted beside finite rows of its
   // warp. Clip ratios 0.85 / 0.80 put the clip distances at 20 and 26 at d = 128 (10 and 13 at
   // d = 64), 0.75 / 0.70 at 32 and 39 (16 and 20): the top-32 selection and the bitwise
-  // search. Each under the engine's hint (the ranks' widest distance: -2 here), an unknown one
+  // search. Each under the engine's hint (the ranks' widest distance: no override), an unknown one
   // (-1: the compiled form with the top-32 selection) and 16 (the form without it, whose
   // bitwise search then serves distances 17-32): the same bytes whichever form runs.
   struct Case {
     int d;
     float rho_k, rho_v;
-    int hint;
+    std::optional<int32_t> hint;
   };
   std::vector<Case> cases;
   for (int d : {64, 128}) {
     for (const auto& [rho_k, rho_v] : {std::pair{0.85f, 0.80f}, std::pair{0.75f, 0.70f}}) {
-      for (int hint : {-2, -1, 16}) cases.push_back({d, rho_k, rho_v, hint});
+      for (const std::optional<int32_t> hint : {std::optional<int32_t>{}, std::optional<int32_t>{-1}, std::optional<int32_t>{16}}) {
+        cases.push_back({d, rho_k, rho_v, hint});
+      }
     }
   }
   for (const Case& c : cases) {
-    const int d = c.d, hint = c.hint;
+    const int d = c.d;
     const float rho_k = c.rho_k, rho_v = c.rho_v;
     CAPTURE(d);
     CAPTURE(rho_k);
-    CAPTURE(hint);
+    CAPTURE(c.hint.value_or(-2));
     CacheConfig config = write_config(d, d == 64 ? 32 : d, 16, 0, 32, 2);
     PagedCache cache = make_cache(config, true, d + 9, rho_k, rho_v);
     DevicePools device(cache);
-    if (hint != -2) device.set_max_clip_distance(hint);
+    if (c.hint) device.set_max_clip_distance(*c.hint);
     RowGenerator keys(d + 7, d), values(d + 8, d);
     std::vector<RequestId> ids;
     for (int i = 0; i < 2; ++i) ids.push_back(*cache.add_request());

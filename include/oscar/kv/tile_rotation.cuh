@@ -66,6 +66,14 @@ inline constexpr bool kRotationPairConversion = OSCAR_ROTATION_PAIR_CONVERSION;
 #else
 inline constexpr bool kRotationPairConversion = false;
 #endif
+// Two rotated elements as a bf16 pair (lo in the low half), by the knob's conversion.
+OSCAR_DEVICE uint32_t rotated_pair_bits(float lo, float hi) {
+  if constexpr (kRotationPairConversion) {
+    return bf16_pair_bits(lo, hi);
+  } else {
+    return uint32_t{float_to_bf16(lo).bits} | uint32_t{float_to_bf16(hi).bits} << 16;
+  }
+}
 
 template <int D>
 struct RotationTile {
@@ -195,15 +203,8 @@ OSCAR_DEVICE void rotate_warp_rows(RotationTile<D>& tile, int warp, int lane) {
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
     const int col = n * 8 + c0;
-    if constexpr (kRotationPairConversion) {
-      *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0, col)) = bf16_pair_bits(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0 + 8, col)) = bf16_pair_bits(acc[n][2], acc[n][3]);
-    } else {
-      *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0, col)) =
-          float_to_bf16(acc[n][0]).bits | uint32_t{float_to_bf16(acc[n][1]).bits} << 16;
-      *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0 + 8, col)) =
-          float_to_bf16(acc[n][2]).bits | uint32_t{float_to_bf16(acc[n][3]).bits} << 16;
-    }
+    *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0, col)) = rotated_pair_bits(acc[n][0], acc[n][1]);
+    *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0 + 8, col)) = rotated_pair_bits(acc[n][2], acc[n][3]);
   }
   __syncwarp();
 }

@@ -64,8 +64,8 @@ inline int32_t clip_distance(int clip_k, int head_dim) { return clip_k < 0 ? 0 :
 inline int32_t widest_clip_distance(std::span<const int32_t> k_clip_ranks, std::span<const int32_t> v_clip_ranks,
                                     int head_dim) {
   int32_t widest = 0;
-  for (const int32_t k : k_clip_ranks) widest = std::max(widest, clip_distance(k, head_dim));
-  for (const int32_t k : v_clip_ranks) widest = std::max(widest, clip_distance(k, head_dim));
+  for (const int32_t rank : k_clip_ranks) widest = std::max(widest, clip_distance(rank, head_dim));
+  for (const int32_t rank : v_clip_ranks) widest = std::max(widest, clip_distance(rank, head_dim));
   return widest;
 }
 
