@@ -302,23 +302,29 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
   p.in_stride_layer = p.in_stride_token * tokens;
   p.error_flag = d_flag.ptr;
 
-  for (int count : {tokens, 5}) {  // pre-pass check and in-block check
-    for (TokenSlot bad : {TokenSlot{100000, 0, 0}, TokenSlot{0, 16, 1}, TokenSlot{-1, 0, 1}, TokenSlot{0, 0, 2}}) {
-      std::vector<TokenSlot> broken(slots.begin(), slots.begin() + count);
-      broken[count / 2] = bad;
-      DeviceArray<TokenSlot> d_slots(broken.size());
-      d_slots.upload(broken);
-      p.slots = d_slots.ptr;
-      p.num_tokens = count;
-      d_flag.fill_bytes(0);
-      const auto before = device.snapshot();
-      REQUIRE(append_kv(p).ok());
-      CUDA_REQUIRE(cudaDeviceSynchronize());
-      CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
-      CHECK(device.snapshot() == before);  // nothing written
+  // Both rotations: the tensor-core kernel reads its first tile before the in-block check.
+  for (const AppendRotation rotation : {AppendRotation::kAuto, AppendRotation::kTensorCores}) {
+    CAPTURE(int(rotation));
+    p.rotation = rotation;
+    for (int count : {tokens, 5}) {  // pre-pass check and in-block check
+      for (TokenSlot bad : {TokenSlot{100000, 0, 0}, TokenSlot{0, 16, 1}, TokenSlot{-1, 0, 1}, TokenSlot{0, 0, 2}}) {
+        std::vector<TokenSlot> broken(slots.begin(), slots.begin() + count);
+        broken[count / 2] = bad;
+        DeviceArray<TokenSlot> d_slots(broken.size());
+        d_slots.upload(broken);
+        p.slots = d_slots.ptr;
+        p.num_tokens = count;
+        d_flag.fill_bytes(0);
+        const auto before = device.snapshot();
+        REQUIRE(append_kv(p).ok());
+        CUDA_REQUIRE(cudaDeviceSynchronize());
+        CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
+        CHECK(device.snapshot() == before);  // nothing written
+      }
     }
   }
 
+  p.rotation = AppendRotation::kAuto;
   AppendParams q = p;
   q.k = nullptr;
   CHECK(append_kv(q).message().find("must not be null") != std::string::npos);
@@ -355,17 +361,30 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
   DemoteParams dp;
   dp.pools = device.view();
   dp.error_flag = d_flag.ptr;
-  std::vector<PageDemotion> demotions{{0, 0, 16}, {1, 999999, 16}};
-  DeviceArray<PageDemotion> d_dem(demotions.size());
-  d_dem.upload(demotions);
-  dp.demotions = d_dem.ptr;
-  dp.num_demotions = 2;
-  d_flag.fill_bytes(0);
+  // Each bad field, with the in-block check (2 demotions) and the pre-pass check (300). The
+  // row kernel reads its first rows before the block's check: a bad BF16 page or row count
+  // must keep those reads in bounds too (memcheck), and nothing may be written.
   const auto before = device.snapshot();
-  REQUIRE(demote_kv(dp).ok());
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
-  CHECK(device.snapshot() == before);
+  for (int count : {2, 300}) {
+    for (PageDemotion bad : {PageDemotion{1, 999999, 16}, PageDemotion{-1, 0, 16}, PageDemotion{999999, 0, 16},
+                             PageDemotion{0, 0, 17}, PageDemotion{0, -1, 16}}) {
+      CAPTURE(count);
+      CAPTURE(bad.bf16_page);
+      CAPTURE(bad.int2_page);
+      CAPTURE(bad.rows);
+      std::vector<PageDemotion> demotions(count, PageDemotion{0, 0, 16});
+      demotions[count / 2] = bad;
+      DeviceArray<PageDemotion> d_dem(demotions.size());
+      d_dem.upload(demotions);
+      dp.demotions = d_dem.ptr;
+      dp.num_demotions = count;
+      d_flag.fill_bytes(0);
+      REQUIRE(demote_kv(dp).ok());
+      CUDA_REQUIRE(cudaDeviceSynchronize());
+      CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
+      CHECK(device.snapshot() == before);
+    }
+  }
   dp.demotions = nullptr;
   CHECK(demote_kv(dp).message().find("demotions must not be null") != std::string::npos);
 }
