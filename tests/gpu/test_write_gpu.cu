@@ -302,7 +302,8 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
   p.in_stride_layer = p.in_stride_token * tokens;
   p.error_flag = d_flag.ptr;
 
-  // Both rotations: the tensor-core kernel reads its first tile before the in-block check.
+  // Both rotations: under kAuto these 600 rows take the exact path, so the tensor-core
+  // kernel's checks need their own run.
   for (const AppendRotation rotation : {AppendRotation::kAuto, AppendRotation::kTensorCores}) {
     CAPTURE(int(rotation));
     p.rotation = rotation;
@@ -361,9 +362,8 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
   DemoteParams dp;
   dp.pools = device.view();
   dp.error_flag = d_flag.ptr;
-  // Each bad field, with the in-block check (2 demotions) and the pre-pass check (300). The
-  // row kernel reads its first rows before the block's check: a bad BF16 page or row count
-  // must keep those reads in bounds too (memcheck), and nothing may be written.
+  // Each bad field, with the in-block check (2 demotions) and the pre-pass check (300):
+  // nothing may be written, and no read may leave the pools (memcheck).
   const auto before = device.snapshot();
   for (int count : {2, 300}) {
     for (PageDemotion bad : {PageDemotion{1, 999999, 16}, PageDemotion{-1, 0, 16}, PageDemotion{999999, 0, 16},
