@@ -301,6 +301,16 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
   p.in_stride_token = 2 * 128;
   p.in_stride_layer = p.in_stride_token * tokens;
   p.error_flag = d_flag.ptr;
+  // A launch with one bad entry: accepted by the launcher, refused on the device (the flag),
+  // and nothing written.
+  const auto before = device.snapshot();
+  const auto expect_refused_on_device = [&](auto launch) {
+    d_flag.fill_bytes(0);
+    REQUIRE(launch().ok());
+    CUDA_REQUIRE(cudaDeviceSynchronize());
+    CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
+    CHECK(device.snapshot() == before);
+  };
 
   // Both rotations: under kAuto these 600 rows take the exact path, so the tensor-core
   // kernel's checks need their own run.
@@ -315,12 +325,7 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
         d_slots.upload(broken);
         p.slots = d_slots.ptr;
         p.num_tokens = count;
-        d_flag.fill_bytes(0);
-        const auto before = device.snapshot();
-        REQUIRE(append_kv(p).ok());
-        CUDA_REQUIRE(cudaDeviceSynchronize());
-        CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
-        CHECK(device.snapshot() == before);  // nothing written
+        expect_refused_on_device([&] { return append_kv(p); });
       }
     }
   }
@@ -364,7 +369,6 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
   dp.error_flag = d_flag.ptr;
   // Each bad field, with the in-block check (2 demotions) and the pre-pass check (300):
   // nothing may be written, and no read may leave the pools (memcheck).
-  const auto before = device.snapshot();
   for (int count : {2, 300}) {
     for (PageDemotion bad : {PageDemotion{1, 999999, 16}, PageDemotion{-1, 0, 16}, PageDemotion{999999, 0, 16},
                              PageDemotion{0, 0, 17}, PageDemotion{0, -1, 16}}) {
@@ -378,11 +382,7 @@ TEST_CASE("bad arguments are refused and a bad slot writes nothing") {
       d_dem.upload(demotions);
       dp.demotions = d_dem.ptr;
       dp.num_demotions = count;
-      d_flag.fill_bytes(0);
-      REQUIRE(demote_kv(dp).ok());
-      CUDA_REQUIRE(cudaDeviceSynchronize());
-      CHECK(d_flag.download()[0] == kWriteErrorSlotOutOfRange);
-      CHECK(device.snapshot() == before);
+      expect_refused_on_device([&] { return demote_kv(dp); });
     }
   }
   dp.demotions = nullptr;
