@@ -136,14 +136,19 @@ AppendParams decode_append(const Setup& s, int batch) {
   return p;
 }
 
+// Times a decode append: bytes are its bf16 rows read and written, K and V.
+void time_decode_append(benchmark::State& state, const AppendParams& p) {
+  const double bytes = double(p.num_tokens) * kHeads * 2 * (2.0 * kDim * 2);
+  oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
+  report_copy_share(state);
+}
+
 // Decode: one new token per request, into the BF16 window, K and V rotated.
 void BM_AppendDecode(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   Setup s(16, batch + 1, batch, true);
   const AppendParams p = decode_append(s, batch);
-  const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
-  oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
-  report_copy_share(state);
+  time_decode_append(state, p);
 #ifdef OSCAR_WRITE_TIMELINE
   const dim3 grid = write_detail::exact_append_launch<kDim, kDim>(p, int64_t{batch} * kHeads).grid;
   char what[16];
@@ -163,9 +168,7 @@ void BM_AppendDecodeTensorCores(benchmark::State& state) {
   Setup s(16, batch + 1, batch, true);
   AppendParams p = decode_append(s, batch);
   p.rotation = AppendRotation::kTensorCores;
-  const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
-  oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
-  report_copy_share(state);
+  time_decode_append(state, p);
 }
 BENCHMARK(BM_AppendDecodeTensorCores)->Arg(1)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
@@ -178,9 +181,7 @@ void BM_AppendDecodeFolded(benchmark::State& state) {
   Setup s(16, batch + 1, batch, rotate_keys);
   AppendParams p = decode_append(s, batch);
   p.values_prerotated = true;
-  const double bytes = double(batch) * kHeads * 2 * (2.0 * kDim * 2);  // read bf16 + write bf16
-  oscar::bench::time_kernel(state, bytes, [&] { (void)append_kv(p); });
-  report_copy_share(state);
+  time_decode_append(state, p);
 }
 BENCHMARK(BM_AppendDecodeFolded)
     ->ArgNames({"B", "rotate_k"})
