@@ -39,6 +39,7 @@
 #include "fidelity.hpp"
 #include "gguf.hpp"
 #include "llama.hpp"
+#include "model_location.hpp"
 #include "oscar/io/plan_file.hpp"
 #include "oscar/io/safetensors.hpp"
 #include "tinystories.hpp"
@@ -50,7 +51,6 @@ using namespace oscar::decode;
 using oscar::Result;
 using oscar::Status;
 
-constexpr const char* kDefaultModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const std::vector<std::string> kModes = {"generate", "perplexity", "calibrate", "dump", "share", "fidelity"};
 
 // The OSCAR plan shipped for the default model (scripts/make-default-plan.sh fits it: KJV
@@ -63,18 +63,6 @@ constexpr const char* kDefaultPlanPath = OSCAR_DECODE_DEFAULT_PLAN;
 
 // The last component of a path: what the outputs and the plan metadata name a file by.
 std::string file_name(const std::string& path) { return std::filesystem::path(path).filename().string(); }
-
-std::string default_model_path() {
-  if (const char* m = std::getenv("OSCAR_MODEL"); m && *m) return m;
-  std::string dir;
-  if (const char* d = std::getenv("OSCAR_MODEL_DIR"); d && *d) {
-    dir = d;
-  } else {
-    const char* home = std::getenv("HOME");
-    dir = std::string(home ? home : ".") + "/.cache/oscar";
-  }
-  return dir + "/" + kDefaultModelName;
-}
 
 void print_help() {
   std::printf(

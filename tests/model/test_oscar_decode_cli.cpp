@@ -5,7 +5,6 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -14,10 +13,11 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/command.hpp"
+#include "model_location.hpp"
 #include "oscar/io/plan_file.hpp"
 #include "oscar/io/safetensors.hpp"
 
@@ -31,27 +31,9 @@ const std::filesystem::path kDir =
     std::filesystem::temp_directory_path() / ("oscar_decode_cli_" + std::to_string(::getpid()));
 const std::string kText = std::string(OSCAR_TEST_DATA_DIR) + "/lighthouse.txt";
 
-std::string model_path() {
-  if (const char* m = std::getenv("OSCAR_MODEL"); m && *m) return m;
-  if (const char* d = std::getenv("OSCAR_MODEL_DIR"); d && *d) return std::string(d) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-  const char* home = std::getenv("HOME");
-  return std::string(home ? home : ".") + "/.cache/oscar/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
-struct Run {
-  int code;
-  std::string out, err;
-};
+using Run = oscar::testing::CommandResult;
 Run run(const std::string& args) {
-  const std::string out = (kDir / "stdout").string(), err = (kDir / "stderr").string();
-  const int status = std::system((std::string(OSCAR_DECODE_EXE) + " " + args + " --no-progress >" + out + " 2>" + err).c_str());
-  auto slurp = [](const std::string& p) {
-    std::ifstream f(p);
-    std::stringstream s;
-    s << f.rdbuf();
-    return s.str();
-  };
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  return oscar::testing::run_command(std::string(OSCAR_DECODE_EXE) + " " + args + " --no-progress", kDir);
 }
 
 std::string path(const char* name) { return (kDir / name).string(); }
@@ -189,7 +171,7 @@ TEST_CASE("oscar-decode: generate without --cache runs OSCAR with the plan shipp
   // must still name Paris, through a cache whose pages past the first are INT2.
   Run r = run("generate --max-new-tokens 12");
   REQUIRE_MESSAGE(r.code == 0, r.err);
-  const bool default_model = model_path().ends_with("/SmolLM2-135M-Instruct.Q4_1.gguf");
+  const bool default_model = oscar::decode::default_model_path().ends_with(std::string("/") + oscar::decode::kDefaultModelName);
   if (default_model) {
     CHECK(r.out.find("cache=oscar-fit plan=SmolLM2-135M-Instruct.Q4_1.plan.safetensors ") != std::string::npos);
     CHECK(r.out.find("Paris") != std::string::npos);
@@ -211,7 +193,7 @@ TEST_CASE("oscar-decode: generate without --cache runs OSCAR with the plan shipp
 }
 
 int main(int argc, char** argv) {
-  const std::string model = model_path();
+  const std::string model = oscar::decode::default_model_path();
   if (!std::ifstream(model)) {
     std::printf("SKIPPED: SmolLM2 model not found at %s (run scripts/fetch-model.sh, or set OSCAR_MODEL)\n", model.c_str());
     return 77;

@@ -22,18 +22,12 @@
 #include "calibration.hpp"
 #include "gguf.hpp"
 #include "llama.hpp"
+#include "model_location.hpp"
 #include "tokenizer.hpp"
 
 using namespace oscar::decode;
 
 namespace {
-
-std::string model_path() {
-  if (const char* m = std::getenv("OSCAR_MODEL"); m && *m) return m;
-  if (const char* d = std::getenv("OSCAR_MODEL_DIR"); d && *d) return std::string(d) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-  const char* home = std::getenv("HOME");
-  return std::string(home ? home : ".") + "/.cache/oscar/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
 
 struct Loaded {
   GgufFile file;
@@ -43,7 +37,7 @@ struct Loaded {
 
 const Loaded& model() {
   static std::unique_ptr<Loaded> loaded = [] {
-    auto file = GgufFile::open(model_path());
+    auto file = GgufFile::open(default_model_path());
     REQUIRE_MESSAGE(file.ok(), file.status().to_string());
     auto weights = load_llama(*file);
     REQUIRE_MESSAGE(weights.ok(), weights.status().to_string());
@@ -509,7 +503,7 @@ TEST_CASE("SmolLM2: a forked request shares the prefix's INT2 pages and computes
 }
 
 int main(int argc, char** argv) {
-  const std::string path = model_path();
+  const std::string path = default_model_path();
   if (!std::ifstream(path)) {
     std::printf("SKIPPED: SmolLM2 model not found at %s (run scripts/fetch-model.sh, or set OSCAR_MODEL)\n", path.c_str());
     return 77;

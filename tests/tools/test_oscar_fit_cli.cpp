@@ -2,16 +2,15 @@
 // option; bad arguments and bad files exit 2 with one message.
 #include <doctest/doctest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/command.hpp"
 #include "fit/fit_test_util.hpp"
 #include "oscar/io/accumulator_file.hpp"
 #include "oscar/io/plan_file.hpp"
@@ -26,21 +25,8 @@ using namespace oscar;
 namespace {
 const std::filesystem::path kDir = std::filesystem::temp_directory_path() / ("oscar_cli_" + std::to_string(::getpid()));
 
-struct Run {
-  int code;
-  std::string out, err;
-};
-Run run(const std::string& args) {
-  const std::string out = (kDir / "stdout").string(), err = (kDir / "stderr").string();
-  const int status = std::system((std::string(OSCAR_FIT_EXE) + " " + args + " >" + out + " 2>" + err).c_str());
-  auto slurp = [](const std::string& p) {
-    std::ifstream f(p);
-    std::stringstream s;
-    s << f.rdbuf();
-    return s.str();
-  };
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
-}
+using Run = oscar::testing::CommandResult;
+Run run(const std::string& args) { return oscar::testing::run_command(std::string(OSCAR_FIT_EXE) + " " + args, kDir); }
 
 // 2 layers, 8 query / 2 KV heads, d = 64, bf16 q and k, f32 v, with attention masses.
 std::string write_calibration(int64_t tokens) {
