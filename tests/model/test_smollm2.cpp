@@ -48,6 +48,26 @@ const Loaded& model() {
   return *loaded;
 }
 
+double mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return s / static_cast<double>(v.size());
+}
+
+// The same tokens are scored by each cache, so compare paired per-token NLL differences: the
+// better cache must win by more than 3 standard errors of the mean difference (a one-sided
+// z-test at p ~ 0.001 on 255 tokens), not by noise.
+void check_paired_win(const std::vector<double>& better_nll, const std::vector<double>& worse_nll, const char* what) {
+  std::vector<double> d;
+  for (size_t i = 0; i < better_nll.size(); ++i) d.push_back(worse_nll[i] - better_nll[i]);
+  const double m = mean(d);
+  double var = 0;
+  for (double x : d) var += (x - m) * (x - m);
+  const double se = std::sqrt(var / static_cast<double>(d.size() - 1) / static_cast<double>(d.size()));
+  MESSAGE(std::string(what) << ": mean NLL gap " << m << " nats, standard error " << se);
+  CHECK_MESSAGE(m > 3 * se, what);
+}
+
 const std::string kChatPrompt =
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
@@ -355,24 +375,10 @@ TEST_CASE("SmolLM2: perplexity orders bf16 < int2-hadamard < int2-naive") {
   const auto bf16 = nll_of(CacheMethod::kBf16);
   const auto hadamard = nll_of(CacheMethod::kInt2Hadamard);
   const auto naive = nll_of(CacheMethod::kInt2Naive);
-  auto mean = [](const std::vector<double>& v) { double s = 0; for (double x : v) s += x; return s / static_cast<double>(v.size()); };
   MESSAGE("perplexity bf16 " << std::exp(mean(bf16)) << ", int2-hadamard " << std::exp(mean(hadamard))
                              << ", int2-naive " << std::exp(mean(naive)));
-  // The same tokens are scored by each cache, so compare paired per-token NLL differences:
-  // the better cache must win by more than 3 standard errors of the mean difference (a
-  // one-sided z-test at p ~ 0.001 on 255 tokens), not by noise.
-  auto wins = [&](const std::vector<double>& better, const std::vector<double>& worse, const char* what) {
-    std::vector<double> d;
-    for (size_t i = 0; i < better.size(); ++i) d.push_back(worse[i] - better[i]);
-    const double m = mean(d);
-    double var = 0;
-    for (double x : d) var += (x - m) * (x - m);
-    const double se = std::sqrt(var / static_cast<double>(d.size() - 1) / static_cast<double>(d.size()));
-    MESSAGE(std::string(what) << ": mean NLL gap " << m << " nats, standard error " << se);
-    CHECK_MESSAGE(m > 3 * se, what);
-  };
-  wins(bf16, hadamard, "bf16 < int2-hadamard");
-  wins(hadamard, naive, "int2-hadamard < int2-naive");
+  check_paired_win(bf16, hadamard, "bf16 < int2-hadamard");
+  check_paired_win(hadamard, naive, "int2-hadamard < int2-naive");
 }
 
 // A plan calibrated in-process on the text after the first 256 tokens (statistics: two
@@ -438,26 +444,13 @@ TEST_CASE("SmolLM2: int4 and oscar-fit beat int2-hadamard on held-out tokens; a 
     for (size_t t = 0; t + 1 < ids.size(); ++t) nll.push_back(-log_softmax(logits[t])[static_cast<size_t>(ids[t + 1])]);
     return nll;
   };
-  auto mean = [](const std::vector<double>& v) { double s = 0; for (double x : v) s += x; return s / static_cast<double>(v.size()); };
   const auto hadamard = nll_of(CacheMethod::kInt2Hadamard);
   const auto int4 = nll_of(CacheMethod::kInt4);
   const auto fitted = nll_of(CacheMethod::kOscarFit);
   MESSAGE("perplexity int4 " << std::exp(mean(int4)) << ", oscar-fit " << std::exp(mean(fitted)) << ", int2-hadamard "
                              << std::exp(mean(hadamard)));
-  // Paired per-token NLL differences, the better cache ahead by more than 3 standard errors
-  // (one-sided z-test, p ~ 0.001 on 255 tokens), as in the test above.
-  auto wins = [&](const std::vector<double>& better, const std::vector<double>& worse, const char* what) {
-    std::vector<double> d;
-    for (size_t i = 0; i < better.size(); ++i) d.push_back(worse[i] - better[i]);
-    const double m = mean(d);
-    double var = 0;
-    for (double x : d) var += (x - m) * (x - m);
-    const double se = std::sqrt(var / static_cast<double>(d.size() - 1) / static_cast<double>(d.size()));
-    MESSAGE(std::string(what) << ": mean NLL gap " << m << " nats, standard error " << se);
-    CHECK_MESSAGE(m > 3 * se, what);
-  };
-  wins(int4, hadamard, "int4 < int2-hadamard");
-  wins(fitted, hadamard, "oscar-fit < int2-hadamard");
+  check_paired_win(int4, hadamard, "int4 < int2-hadamard");
+  check_paired_win(fitted, hadamard, "oscar-fit < int2-hadamard");
 
   // A plan of another shape is refused with the mismatch named.
   oscar::io::Plan wrong = plan;
