@@ -104,12 +104,13 @@ class KvCache {
   virtual double bytes_per_token() const = 0;
 };
 
-class ExactKvCache final : public KvCache {
+// Rows kept as floats, every token of every layer and KV head, with plain softmax attention
+// over them: the storage the exact cache and the simulated caches (simulated_cache.hpp) share.
+class FloatRowsCache : public KvCache {
  public:
-  ExactKvCache(const LlamaConfig& config, int64_t capacity)
-      : num_kv_heads_(config.num_kv_heads), num_qo_heads_(config.num_qo_heads),
-        head_dim_(config.head_dim), capacity_(capacity),
-        k_(config.num_layers), v_(config.num_layers) {
+  FloatRowsCache(const LlamaConfig& config, int64_t capacity)
+      : num_kv_heads_(config.num_kv_heads), num_qo_heads_(config.num_qo_heads), head_dim_(config.head_dim),
+        num_layers_(config.num_layers), capacity_(capacity), k_(config.num_layers), v_(config.num_layers) {
     for (int32_t l = 0; l < config.num_layers; ++l) {
       k_[l].assign(static_cast<size_t>(num_kv_heads_), RowMatrix(capacity, head_dim_));
       v_[l].assign(static_cast<size_t>(num_kv_heads_), RowMatrix(capacity, head_dim_));
@@ -124,45 +125,33 @@ class ExactKvCache final : public KvCache {
     length_ += n;
     return Status::Ok();
   }
-  Status write(int32_t layer, const float* k, const float* v) override {
+  Status end_step() override {
+    step_ = 0;
+    return Status::Ok();
+  }
+  int64_t length() const override { return length_; }
+
+ protected:
+  // Stores the step's rows (k, v as write() takes them), each value through `round`.
+  template <class Round>
+  void store_step(int32_t layer, const float* k, const float* v, Round round) {
     const int64_t first = length_ - step_;
     for (int32_t t = 0; t < step_; ++t) {
       for (int32_t h = 0; h < num_kv_heads_; ++h) {
         const int64_t off = (static_cast<int64_t>(t) * num_kv_heads_ + h) * head_dim_;
-        k_[layer][h].row(first + t) = Eigen::Map<const Eigen::RowVectorXf>(k + off, head_dim_);
-        v_[layer][h].row(first + t) = Eigen::Map<const Eigen::RowVectorXf>(v + off, head_dim_);
+        for (int32_t i = 0; i < head_dim_; ++i) {
+          k_[layer][h](first + t, i) = round(k[off + i]);
+          v_[layer][h](first + t, i) = round(v[off + i]);
+        }
       }
     }
-    return Status::Ok();
   }
-  Status attend(int32_t layer, const float* q, float* out) override {
+  // Softmax attention of the step's queries over the stored rows, one query and head at a time,
+  // each query seeing the keys up to its own position.
+  void attend_each_query(int32_t layer, const float* q, float* out) const {
     const int32_t group = num_qo_heads_ / num_kv_heads_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
     const int64_t first = length_ - step_;
-    if (step_ > 1) {
-      // A chunk of queries: one matrix product per head over all visible keys, the causal
-      // mask applied to the scores (calibration and the evaluator prefill long texts here).
-      using Map = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
-      using MapOut = Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>>;
-      const int64_t keys = length_;
-      const Eigen::Index stride = static_cast<Eigen::Index>(num_qo_heads_) * head_dim_;
-      for (int32_t h = 0; h < num_qo_heads_; ++h) {
-        const int32_t kvh = h / group;
-        const Map qh(q + static_cast<int64_t>(h) * head_dim_, step_, head_dim_, Eigen::OuterStride<>(stride));
-        RowMatrix s = (qh * k_[layer][kvh].topRows(keys).transpose()) * scale;
-        for (int32_t t = 0; t < step_; ++t) {
-          const Eigen::Index visible = first + t + 1;
-          auto row = s.row(t);
-          const float m = row.head(visible).maxCoeff();
-          row.head(visible) = (row.head(visible).array() - m).exp();
-          row.tail(keys - visible).setZero();
-          row /= row.sum();
-        }
-        MapOut(out + static_cast<int64_t>(h) * head_dim_, step_, head_dim_, Eigen::OuterStride<>(stride)) =
-            s * v_[layer][kvh].topRows(keys);
-      }
-      return Status::Ok();
-    }
     for (int32_t t = 0; t < step_; ++t) {
       const int64_t keys = first + t + 1;
       for (int32_t h = 0; h < num_qo_heads_; ++h) {
@@ -176,23 +165,54 @@ class ExactKvCache final : public KvCache {
         Eigen::Map<Eigen::RowVectorXf>(out + off, head_dim_) = s.transpose() * v_[layer][kvh].topRows(keys);
       }
     }
-    return Status::Ok();
-  }
-  Status end_step() override {
-    step_ = 0;
-    return Status::Ok();
-  }
-  int64_t length() const override { return length_; }
-  double bytes_per_token() const override {
-    return 2.0 * 4.0 * head_dim_ * num_kv_heads_ * static_cast<double>(k_.size());
   }
 
- private:
-  int32_t num_kv_heads_, num_qo_heads_, head_dim_;
+  int32_t num_kv_heads_, num_qo_heads_, head_dim_, num_layers_;
   int64_t capacity_;
   int64_t length_ = 0;
   int32_t step_ = 0;
   std::vector<std::vector<RowMatrix>> k_, v_;  // [layer][kv head] -> [capacity, head_dim]
+};
+
+class ExactKvCache final : public FloatRowsCache {
+ public:
+  using FloatRowsCache::FloatRowsCache;
+  Status write(int32_t layer, const float* k, const float* v) override {
+    store_step(layer, k, v, [](float x) { return x; });
+    return Status::Ok();
+  }
+  Status attend(int32_t layer, const float* q, float* out) override {
+    if (step_ <= 1) {
+      attend_each_query(layer, q, out);
+      return Status::Ok();
+    }
+    // A chunk of queries: one matrix product per head over all visible keys, the causal mask
+    // applied to the scores (calibration and the evaluator prefill long texts here).
+    const int32_t group = num_qo_heads_ / num_kv_heads_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    const int64_t first = length_ - step_;
+    using Map = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+    using MapOut = Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>>;
+    const int64_t keys = length_;
+    const Eigen::Index stride = static_cast<Eigen::Index>(num_qo_heads_) * head_dim_;
+    for (int32_t h = 0; h < num_qo_heads_; ++h) {
+      const int32_t kvh = h / group;
+      const Map qh(q + static_cast<int64_t>(h) * head_dim_, step_, head_dim_, Eigen::OuterStride<>(stride));
+      RowMatrix s = (qh * k_[layer][kvh].topRows(keys).transpose()) * scale;
+      for (int32_t t = 0; t < step_; ++t) {
+        const Eigen::Index visible = first + t + 1;
+        auto row = s.row(t);
+        const float m = row.head(visible).maxCoeff();
+        row.head(visible) = (row.head(visible).array() - m).exp();
+        row.tail(keys - visible).setZero();
+        row /= row.sum();
+      }
+      MapOut(out + static_cast<int64_t>(h) * head_dim_, step_, head_dim_, Eigen::OuterStride<>(stride)) =
+          s * v_[layer][kvh].topRows(keys);
+    }
+    return Status::Ok();
+  }
+  double bytes_per_token() const override { return 2.0 * 4.0 * head_dim_ * num_kv_heads_ * num_layers_; }
 };
 
 // The library's paged cache, one request. Pools are sized for `capacity` tokens.

@@ -65,39 +65,14 @@ inline void fake_quantize_int2_column(float* x, int n, int64_t stride) {
   for (int i = 0; i < n; ++i) x[i * stride] = column[i];
 }
 
-class SimulatedKvCache final : public KvCache {
+class SimulatedKvCache final : public FloatRowsCache {
  public:
   SimulatedKvCache(const LlamaConfig& config, int64_t capacity, int32_t sink_tokens, int32_t recent_tokens,
                    int32_t page_size, SimulatedFormat format)
-      : num_kv_heads_(config.num_kv_heads), num_qo_heads_(config.num_qo_heads), head_dim_(config.head_dim),
-        num_layers_(config.num_layers), capacity_(capacity), sink_(sink_tokens), recent_(recent_tokens),
-        page_size_(page_size), format_(format), k_(config.num_layers), v_(config.num_layers),
-        k_done_(config.num_layers, 0), v_done_(config.num_layers, 0) {
-    for (int32_t l = 0; l < config.num_layers; ++l) {
-      k_[l].assign(static_cast<size_t>(num_kv_heads_), RowMatrix(capacity, head_dim_));
-      v_[l].assign(static_cast<size_t>(num_kv_heads_), RowMatrix(capacity, head_dim_));
-    }
-  }
-  Status begin_step(int32_t n) override {
-    if (length_ + n > capacity_) {
-      return resource_exhausted("context full: " + std::to_string(length_ + n) + " tokens > " +
-                                std::to_string(capacity_));
-    }
-    step_ = n;
-    length_ += n;
-    return Status::Ok();
-  }
+      : FloatRowsCache(config, capacity), sink_(sink_tokens), recent_(recent_tokens), page_size_(page_size),
+        format_(format), k_done_(config.num_layers, 0), v_done_(config.num_layers, 0) {}
   Status write(int32_t layer, const float* k, const float* v) override {
-    const int64_t first = length_ - step_;
-    for (int32_t t = 0; t < step_; ++t) {
-      for (int32_t h = 0; h < num_kv_heads_; ++h) {
-        const int64_t off = (static_cast<int64_t>(t) * num_kv_heads_ + h) * head_dim_;
-        for (int32_t i = 0; i < head_dim_; ++i) {
-          k_[layer][h](first + t, i) = round_to_bf16(k[off + i]);
-          v_[layer][h](first + t, i) = round_to_bf16(v[off + i]);
-        }
-      }
-    }
+    store_step(layer, k, v, [](float x) { return round_to_bf16(x); });
     // The rows that are now in the INT2 region (the paged cache's rule) get reconstructed.
     const SegmentCounts counts = segment_counts(length_, sink_, recent_, page_size_);
     const int64_t int2_end = counts.sink + counts.int2;
@@ -129,28 +104,9 @@ class SimulatedKvCache final : public KvCache {
     return Status::Ok();
   }
   Status attend(int32_t layer, const float* q, float* out) override {
-    const int32_t group = num_qo_heads_ / num_kv_heads_;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
-    const int64_t first = length_ - step_;
-    for (int32_t t = 0; t < step_; ++t) {
-      const int64_t keys = first + t + 1;
-      for (int32_t h = 0; h < num_qo_heads_; ++h) {
-        const int32_t kvh = h / group;
-        const int64_t off = (static_cast<int64_t>(t) * num_qo_heads_ + h) * head_dim_;
-        Eigen::Map<const Eigen::VectorXf> qv(q + off, head_dim_);
-        Eigen::VectorXf s = (k_[layer][kvh].topRows(keys) * qv) * scale;
-        s = (s.array() - s.maxCoeff()).exp();
-        s /= s.sum();
-        Eigen::Map<Eigen::RowVectorXf>(out + off, head_dim_) = s.transpose() * v_[layer][kvh].topRows(keys);
-      }
-    }
+    attend_each_query(layer, q, out);
     return Status::Ok();
   }
-  Status end_step() override {
-    step_ = 0;
-    return Status::Ok();
-  }
-  int64_t length() const override { return length_; }
   double bytes_per_token() const override {
     if (length_ == 0) return 0;
     const SegmentCounts counts = segment_counts(length_, sink_, recent_, page_size_);
@@ -170,13 +126,8 @@ class SimulatedKvCache final : public KvCache {
   }
 
  private:
-  int32_t num_kv_heads_, num_qo_heads_, head_dim_, num_layers_;
-  int64_t capacity_;
   int32_t sink_, recent_, page_size_;
   SimulatedFormat format_;
-  int64_t length_ = 0;
-  int32_t step_ = 0;
-  std::vector<std::vector<RowMatrix>> k_, v_;  // [layer][kv head] -> [capacity, head_dim]
   std::vector<int64_t> k_done_, v_done_;       // per layer: rows before this are reconstructed
 };
 
