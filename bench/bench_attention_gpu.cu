@@ -68,7 +68,11 @@ struct Problem {
     }
     // A paged cache after churn: pages in shuffled order (within each table; sink and window
     // drew distinct ids from the shared BF16 pool, so they stay disjoint).
-    for (auto& table : t) std::shuffle(table.indices.begin(), table.indices.end(), rng);
+    // OSCAR_BENCH_PAGES_IN_ORDER=1 keeps each request's pages consecutive and ascending (an
+    // allocator that never churned), to measure what the pages' order costs.
+    if (env_int("OSCAR_BENCH_PAGES_IN_ORDER", 0) == 0) {
+      for (auto& table : t) std::shuffle(table.indices.begin(), table.indices.end(), rng);
+    }
 
     const Int2Layout layout{d, d, page};
     Int2PoolRef k_int2 = Int2PoolRef::packed(nullptr, std::max(1, pages[1]), hkv, layout);
