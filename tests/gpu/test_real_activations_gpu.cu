@@ -28,6 +28,7 @@
 #include "common/cuda_check.hpp"
 #include "common/device_attention.hpp"
 #include "common/device_pools.hpp"
+#include "common/device_write_step.hpp"
 #include "common/tensor_core_append.hpp"
 #include "host/cache_test_util.hpp"
 #include "gpu/real_activations_data.hpp"
@@ -107,40 +108,7 @@ size_t step_both(const Fixture& f, PagedCache& cache, DevicePools& device, const
     at += counts[b];
     next[b] += counts[b];
   }
-  DeviceArray<bf16_t> d_k(k.size()), d_v(v.size());
-  d_k.upload(k);
-  d_v.upload(v);
-  DeviceArray<TokenSlot> d_slots(plan->slots.size());
-  d_slots.upload(plan->slots);
-  DeviceArray<PageDemotion> d_demotions(std::max<size_t>(1, plan->demotions.size()));
-  d_demotions.upload(plan->demotions);
-  DeviceArray<int32_t> d_flag(1);
-  d_flag.fill_bytes(0);
-
-  DemoteParams demote;
-  demote.pools = device.view();
-  demote.num_demotions = static_cast<int32_t>(plan->demotions.size());
-  demote.demotions = d_demotions.ptr;
-  demote.error_flag = d_flag.ptr;
-  if (demote.num_demotions > 0) {
-    const Status ds = demote_kv(demote);
-    REQUIRE_MESSAGE(ds.ok(), ds.to_string());
-  }
-  AppendParams append;
-  append.pools = device.view();
-  append.k = d_k.ptr;
-  append.v = d_v.ptr;
-  append.in_stride_token = int64_t{f.acts.num_kv_heads} * f.acts.head_dim;
-  append.in_stride_layer = append.in_stride_token * tokens;
-  append.num_tokens = tokens;
-  append.slots = d_slots.ptr;
-  append.values_prerotated = false;
-  append.rotation = AppendRotation::kExactFma;  // bit-exact; the tensor-core path is checked below
-  append.error_flag = d_flag.ptr;
-  const Status as = append_kv(append);
-  REQUIRE_MESSAGE(as.ok(), as.to_string());
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  CHECK(d_flag.download()[0] == 0);
+  device_write_step(device, cache.config(), *plan, k, v);
   for (int l = 0; l < kNumLayers; ++l) {
     REQUIRE(cache.write(l, *plan, k.data() + size_t(l) * tokens * row, v.data() + size_t(l) * tokens * row).ok());
   }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/device_pools.hpp"
+#include "common/device_write_step.hpp"
 #include "common/random.hpp"
 #include "common/tensor_core_append.hpp"
 #include "host/cache_test_util.hpp"
@@ -51,39 +52,7 @@ size_t step_both(PagedCache& cache, DevicePools& device, const std::vector<Reque
   KvRows kv = random_kv(keys, values, c, tokens);
   if (poison_nan && tokens > 3) kv.k[(size_t(3) * c.num_kv_heads + 1) * c.head_dim + 7] = float_to_bf16(std::nanf(""));
 
-  DeviceArray<bf16_t> d_k(kv.k.size()), d_v(kv.v.size());
-  d_k.upload(kv.k);
-  d_v.upload(kv.v);
-  DeviceArray<TokenSlot> d_slots(plan->slots.size());
-  d_slots.upload(plan->slots);
-  DeviceArray<PageDemotion> d_demotions(plan->demotions.size());
-  d_demotions.upload(plan->demotions);
-  DeviceArray<int32_t> d_flag(1);
-  d_flag.fill_bytes(0);
-
-  DemoteParams demote;
-  demote.pools = device.view();
-  demote.num_demotions = static_cast<int32_t>(plan->demotions.size());
-  demote.demotions = d_demotions.ptr;
-  demote.error_flag = d_flag.ptr;
-  const Status ds = demote_kv(demote);
-  REQUIRE_MESSAGE(ds.ok(), ds.to_string());
-
-  AppendParams append;
-  append.pools = device.view();
-  append.k = d_k.ptr;
-  append.v = d_v.ptr;
-  append.in_stride_token = int64_t{c.num_kv_heads} * c.head_dim;
-  append.in_stride_layer = append.in_stride_token * tokens;
-  append.num_tokens = tokens;
-  append.slots = d_slots.ptr;
-  append.values_prerotated = c.values_prerotated;
-  append.rotation = AppendRotation::kExactFma;  // the CPU reference's bytes; tensor cores: below
-  append.error_flag = d_flag.ptr;
-  const Status as = append_kv(append);
-  REQUIRE_MESSAGE(as.ok(), as.to_string());
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  CHECK(d_flag.download()[0] == 0);
+  device_write_step(device, c, *plan, kv.k, kv.v);
 
   const size_t layer_stride = size_t(tokens) * c.num_kv_heads * c.head_dim;
   for (int l = 0; l < c.num_layers; ++l) {
