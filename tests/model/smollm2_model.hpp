@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -37,6 +38,15 @@ inline const Loaded& model() {
     return std::unique_ptr<Loaded>(new Loaded{std::move(*file), std::move(*weights), std::move(*tok)});
   }();
   return *loaded;
+}
+
+// False (after printing why, as ctest's skip message) where the model file is absent: the
+// test's main() then returns 77 (skipped).
+inline bool smollm2_model_present() {
+  const std::string path = default_model_path();
+  if (std::ifstream(path)) return true;
+  std::printf("SKIPPED: SmolLM2 model not found at %s (run scripts/fetch-model.sh, or set OSCAR_MODEL)\n", path.c_str());
+  return false;
 }
 
 inline std::string read_text() {

@@ -431,11 +431,7 @@ TEST_CASE("SmolLM2: a forked request shares the prefix's INT2 pages and computes
 }
 
 int main(int argc, char** argv) {
-  const std::string path = default_model_path();
-  if (!std::ifstream(path)) {
-    std::printf("SKIPPED: SmolLM2 model not found at %s (run scripts/fetch-model.sh, or set OSCAR_MODEL)\n", path.c_str());
-    return 77;
-  }
+  if (!smollm2_model_present()) return 77;
   doctest::Context context(argc, argv);
   return context.run();
 }

@@ -9,14 +9,11 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
-#include <cuda_runtime.h>
-
-#include <cstdio>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "cache_methods.hpp"
+#include "common/cuda_device.hpp"
 #include "model/smollm2_model.hpp"
 #include "oscar/io/plan_file.hpp"
 
@@ -107,17 +104,7 @@ TEST_CASE("SmolLM2 on the GPU: a full context is refused and the cache goes on")
 }
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  const cudaError_t error = cudaGetDeviceCount(&devices);
-  if (error != cudaSuccess || devices == 0) {
-    std::printf("SKIPPED: no CUDA device visible (%s)\n", error == cudaSuccess ? "0 devices" : cudaGetErrorString(error));
-    return 77;
-  }
-  const std::string path = default_model_path();
-  if (!std::ifstream(path)) {
-    std::printf("SKIPPED: SmolLM2 model not found at %s (run scripts/fetch-model.sh, or set OSCAR_MODEL)\n", path.c_str());
-    return 77;
-  }
+  if (!cuda_device_visible() || !smollm2_model_present()) return 77;
   doctest::Context context(argc, argv);
   return context.run();
 }
