@@ -72,24 +72,32 @@ inline std::vector<double> log_softmax(const std::vector<float>& z) {
   return out;
 }
 
-// Logits of every token, fed through the cache in steps of schedule[i] tokens (the last entry
-// repeats until the tokens run out).
-inline std::vector<std::vector<float>> run(KvCache& cache, const std::vector<int32_t>& ids,
-                                           const std::vector<size_t>& schedule) {
-  std::vector<std::vector<float>> out;
+// Logits of every token, fed through all `caches` in lockstep (the same tokens, the weight
+// products shared) in steps of schedule[i] tokens (the last entry repeats until the tokens run
+// out); one list per cache.
+inline std::vector<std::vector<std::vector<float>>> run_lockstep(const std::vector<KvCache*>& caches,
+                                                                 const std::vector<int32_t>& ids,
+                                                                 const std::vector<size_t>& schedule) {
+  std::vector<std::vector<std::vector<float>>> out(caches.size());
   size_t step = 0;
   for (size_t start = 0; start < ids.size(); ++step) {
     const size_t end = std::min(ids.size(), start + schedule[std::min(step, schedule.size() - 1)]);
-    auto logits = forward(model().weights, cache,
-                          std::vector<int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(start),
-                                               ids.begin() + static_cast<std::ptrdiff_t>(end)));
+    auto logits = forward_lockstep(model().weights, caches,
+                                   std::vector<int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(start),
+                                                        ids.begin() + static_cast<std::ptrdiff_t>(end)));
     REQUIRE_MESSAGE(logits.ok(), logits.status().to_string());
-    for (Eigen::Index r = 0; r < logits->rows(); ++r) {
-      out.emplace_back(logits->row(r).data(), logits->row(r).data() + logits->cols());
+    for (size_t c = 0; c < caches.size(); ++c) {
+      const RowMatrix& m = (*logits)[c];
+      for (Eigen::Index r = 0; r < m.rows(); ++r) out[c].emplace_back(m.row(r).data(), m.row(r).data() + m.cols());
     }
     start = end;
   }
   return out;
+}
+
+inline std::vector<std::vector<float>> run(KvCache& cache, const std::vector<int32_t>& ids,
+                                           const std::vector<size_t>& schedule) {
+  return std::move(run_lockstep({&cache}, ids, schedule)[0]);
 }
 
 // How far run b's next-token distributions are from run a's.
