@@ -7,11 +7,12 @@
 #   scripts/gpu-suite.sh BIN_DIR OUT_DIR [quick]
 #
 # BIN_DIR holds the executables of a build (test_functors_gpu, test_write_gpu,
-# test_attention_gpu, test_real_activations_gpu, oscar-gpu-step, bench_write_gpu,
-# bench_attention_gpu), e.g. build/tests + build/bench + build/examples copied into one folder,
-# or a build tree's root (the three subfolders are searched). OSCAR_REAL_ACTIVATIONS_DIR (or
-# BIN_DIR/real-activations) points the real-activation test at its data
-# (scripts/make-real-activations.sh). Every step's output goes to OUT_DIR/<step>.txt; the
+# test_attention_gpu, test_real_activations_gpu, oscar-gpu-step, test_smollm2_gpu,
+# bench_write_gpu, bench_attention_gpu), e.g. build/tests + build/bench + build/examples copied
+# into one folder, or a build tree's root (the three subfolders are searched).
+# OSCAR_REAL_ACTIVATIONS_DIR (or BIN_DIR/real-activations) points the real-activation test at
+# its data (scripts/make-real-activations.sh); test_smollm2_gpu needs the SmolLM2 model
+# (OSCAR_MODEL, or scripts/fetch-model.sh's ~/.cache/oscar) and fails here without it. Every step's output goes to OUT_DIR/<step>.txt; the
 # summary (each step's exit status and last lines) to stdout. "quick" skips the sanitizers and
 # ncu. Exits non-zero when any test or sanitizer step failed (77, no device, counts as failed
 # here: this script is for machines that have one).
@@ -65,6 +66,12 @@ else
   failed=1
 fi
 exe=$(find_exe oscar-gpu-step) && TAIL=1 step oscar_gpu_step check "$exe"
+# The decode app's @gpu caches on SmolLM2; needs the model (OSCAR_MODEL or ~/.cache/oscar).
+if exe=$(find_exe test_smollm2_gpu); then
+  TAIL=3 step test_smollm2_gpu check "$exe"
+else
+  echo "== test_smollm2_gpu: not in $bin_dir"
+fi
 
 if [[ $quick != quick ]] && command -v compute-sanitizer >/dev/null; then
   # The cases that cover every kernel and launcher path without the sanitizers' hours on

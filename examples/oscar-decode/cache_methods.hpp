@@ -10,6 +10,9 @@
 //   int2-hadamard  normalized Sylvester Hadamard rotations for K and V (QuaRot-style), no clip
 //   oscar          the plan's fitted rotations with the authors' fixed clip ratios 0.96 / 0.92
 //   oscar-fit      the plan's fitted rotations and its fitted per-layer clip ratios
+// A paged method (bf16, int2-naive, int2-hadamard, oscar, oscar-fit) with the suffix @gpu keeps
+// its pools on the GPU, written and read by the library's kernels (gpu_cache.hpp): the same
+// method through the engine's path, e.g. --cache oscar,oscar@gpu to compare the two.
 #pragma once
 
 #include <memory>
@@ -23,6 +26,9 @@
 #include "oscar/io/plan_file.hpp"
 #include "oscar/rotate/hadamard.hpp"
 #include "simulated_cache.hpp"
+#if OSCAR_DECODE_GPU
+#include "gpu_cache.hpp"
+#endif
 
 namespace oscar::decode {
 
@@ -43,6 +49,28 @@ inline Result<CacheMethod> parse_cache_method(const std::string& name) {
 }
 
 inline bool needs_plan(CacheMethod m) { return m == CacheMethod::kOscar || m == CacheMethod::kOscarFit; }
+
+// A --cache entry: a method, on the CPU or (suffix @gpu) on the GPU.
+struct CacheSpec {
+  CacheSpec(CacheMethod m, bool on_gpu = false) : method(m), gpu(on_gpu) {}  // implicit: a method is a CPU spec
+  CacheMethod method;
+  bool gpu;
+};
+
+inline constexpr const char* kGpuSuffix = "@gpu";
+
+inline Result<CacheSpec> parse_cache_spec(const std::string& name) {
+  const size_t suffix = std::char_traits<char>::length(kGpuSuffix);
+  const bool gpu = name.size() > suffix && name.compare(name.size() - suffix, suffix, kGpuSuffix) == 0;
+  auto method = parse_cache_method(gpu ? name.substr(0, name.size() - suffix) : name);
+  if (!method.ok()) return method.status();
+  if (gpu && (*method == CacheMethod::kExact || *method == CacheMethod::kInt4 || *method == CacheMethod::kKivi)) {
+    return invalid_argument("cache method '" + name + "': " + name.substr(0, name.size() - suffix) +
+                            " is not a paged cache and has no GPU path (the @gpu methods: bf16, int2-naive, "
+                            "int2-hadamard, oscar, oscar-fit)");
+  }
+  return CacheSpec{*method, gpu};
+}
 
 struct CacheOptions {
   int64_t capacity = 2048;  // tokens
@@ -82,15 +110,7 @@ inline std::vector<host::LayerQuantizer> hadamard_quantizers(int32_t num_layers,
 }
 
 // The paged-cache configuration a plan must match for this model (one quantization group per row).
-inline host::CacheConfig plan_target(const LlamaConfig& model) {
-  host::CacheConfig c;
-  c.num_layers = model.num_layers;
-  c.num_qo_heads = model.num_qo_heads;
-  c.num_kv_heads = model.num_kv_heads;
-  c.head_dim = model.head_dim;
-  c.quant_group_size = 0;
-  return c;
-}
+inline host::CacheConfig plan_target(const LlamaConfig& model) { return cache_shape(model); }
 
 // The per-layer quantizers of oscar (fixed ratios) or oscar-fit (the plan's ratios), after
 // checking that the plan was fitted for this model.
@@ -108,7 +128,18 @@ inline Result<std::vector<host::LayerQuantizer>> plan_quantizers(CacheMethod met
 }
 
 inline Result<std::unique_ptr<KvCache>> make_quantized_cache(const LlamaConfig& model, const CacheOptions& options,
-                                                             std::vector<host::LayerQuantizer> layers) {
+                                                             std::vector<host::LayerQuantizer> layers,
+                                                             bool gpu = false) {
+  if (gpu) {
+#if OSCAR_DECODE_GPU
+    auto config = paged_cache_config(cache_shape(model), options.capacity, options.sink_tokens,
+                                      options.recent_tokens, options.page_size);
+    if (!config.ok()) return config.status();
+    return make_gpu_cache(*config, options.capacity, std::move(layers));
+#else
+    return unsupported("this build has no CUDA (OSCAR_ENABLE_CUDA=OFF), so no @gpu cache");
+#endif
+  }
   auto cache = PagedKvCache::create(model, options.capacity, options.sink_tokens, options.recent_tokens,
                                     options.page_size, std::move(layers));
   if (!cache.ok()) return cache.status();
@@ -116,9 +147,11 @@ inline Result<std::unique_ptr<KvCache>> make_quantized_cache(const LlamaConfig& 
   return std::unique_ptr<KvCache>(std::move(*cache));
 }
 
-// Builds the cache of `method`. `plan` is needed by oscar and oscar-fit and ignored otherwise.
-inline Result<std::unique_ptr<KvCache>> make_cache(CacheMethod method, const LlamaConfig& model,
+// Builds the cache of `spec`. `plan` is needed by oscar and oscar-fit and ignored otherwise.
+inline Result<std::unique_ptr<KvCache>> make_cache(CacheSpec spec, const LlamaConfig& model,
                                                    const CacheOptions& options, const io::Plan* plan = nullptr) {
+  const CacheMethod method = spec.method;
+  const bool gpu = spec.gpu;
   switch (method) {
     case CacheMethod::kExact:
       return std::unique_ptr<KvCache>(new ExactKvCache(model, options.capacity));
@@ -127,7 +160,7 @@ inline Result<std::unique_ptr<KvCache>> make_cache(CacheMethod method, const Lla
       // A sink longer than the context keeps every token BF16 (no INT2 page is ever written).
       bf16.sink_tokens = static_cast<int32_t>(options.capacity);
       bf16.recent_tokens = 0;
-      return make_quantized_cache(model, bf16, identity_quantizers(model.num_layers));
+      return make_quantized_cache(model, bf16, identity_quantizers(model.num_layers), gpu);
     }
     case CacheMethod::kInt4:
     case CacheMethod::kKivi:
@@ -136,15 +169,15 @@ inline Result<std::unique_ptr<KvCache>> make_cache(CacheMethod method, const Lla
           model, options.capacity, options.sink_tokens, options.recent_tokens, options.page_size,
           method == CacheMethod::kInt4 ? SimulatedFormat::kInt4 : SimulatedFormat::kKivi));
     case CacheMethod::kInt2Naive:
-      return make_quantized_cache(model, options, identity_quantizers(model.num_layers));
+      return make_quantized_cache(model, options, identity_quantizers(model.num_layers), gpu);
     case CacheMethod::kInt2Hadamard:
-      return make_quantized_cache(model, options, hadamard_quantizers(model.num_layers, model.head_dim));
+      return make_quantized_cache(model, options, hadamard_quantizers(model.num_layers, model.head_dim), gpu);
     case CacheMethod::kOscar:
     case CacheMethod::kOscarFit: {
       if (!plan) return failed_precondition("needs a plan file (--plan FILE, written by oscar-decode calibrate or oscar-fit)");
       auto layers = plan_quantizers(method, *plan, model);
       if (!layers.ok()) return layers.status();
-      return make_quantized_cache(model, options, std::move(*layers));
+      return make_quantized_cache(model, options, std::move(*layers), gpu);
     }
   }
   return invalid_argument("unknown cache method");

@@ -1,10 +1,7 @@
 // A Llama forward pass on the CPU (RMSNorm, RoPE, GQA attention, SwiGLU), float32 with Eigen
 // for the matrix work, and the KV caches it attends through.
 //
-// Attention goes through the abstract KvCache, one step at a time:
-//   begin_step(n)  reserve n new tokens (all layers)
-//   per layer: write(layer, k, v) then attend(layer, q, out)
-//   end_step()
+// Attention goes through the abstract KvCache (kv_cache.hpp), one step at a time.
 // K is stored after RoPE; queries are rotated with RoPE at their own positions before
 // attend(), so the cache never needs positions (method.md §1). Two implementations:
 //   ExactKvCache  float32 K/V, plain softmax attention: the reference for tests;
@@ -31,6 +28,7 @@
 #include <vector>
 
 #include "gguf.hpp"
+#include "kv_cache.hpp"
 #include "oscar/core/numeric.hpp"
 #include "oscar/core/status.hpp"
 #include "oscar/host/attention_blocked.hpp"
@@ -87,22 +85,19 @@ inline Status validate(const LlamaConfig& c) {
   return Status::Ok();
 }
 
-// ---- KV caches ------------------------------------------------------------------------------
+// The library's paged cache in this model's shape (layers, heads, head_dim), one quantization
+// group per row; the page geometry is paged_cache_config's.
+inline host::CacheConfig cache_shape(const LlamaConfig& model) {
+  host::CacheConfig c;
+  c.num_layers = model.num_layers;
+  c.num_qo_heads = model.num_qo_heads;
+  c.num_kv_heads = model.num_kv_heads;
+  c.head_dim = model.head_dim;
+  c.quant_group_size = 0;
+  return c;
+}
 
-class KvCache {
- public:
-  virtual ~KvCache() = default;
-  virtual Status begin_step(int32_t num_tokens) = 0;
-  // k, v: float32 [num_tokens, num_kv_heads, head_dim], K after RoPE.
-  virtual Status write(int32_t layer, const float* k, const float* v) = 0;
-  // q: float32 [num_tokens, num_qo_heads, head_dim] after RoPE; out the same shape. Query i of
-  // the step sits at position length() - num_tokens + i and sees keys up to it (causal).
-  virtual Status attend(int32_t layer, const float* q, float* out) = 0;
-  virtual Status end_step() = 0;
-  virtual int64_t length() const = 0;  // tokens stored, this step's included once begun
-  // Average bytes of K and V per token over all layers and heads at the current length.
-  virtual double bytes_per_token() const = 0;
-};
+// ---- KV caches ------------------------------------------------------------------------------
 
 // Rows kept as floats, every token of every layer and KV head, with plain softmax attention
 // over them: the storage the exact cache and the simulated caches (simulated_cache.hpp) share.
@@ -223,25 +218,10 @@ class PagedKvCache final : public KvCache {
                                                       int32_t page_size,
                                                       std::vector<host::LayerQuantizer> layers,
                                                       int32_t max_requests = 1) {
-    host::CacheConfig config;
-    config.num_layers = model.num_layers;
-    config.num_qo_heads = model.num_qo_heads;
-    config.num_kv_heads = model.num_kv_heads;
-    config.head_dim = model.head_dim;
-    config.page_size = page_size;
-    config.sink_tokens = sink_tokens;
-    config.recent_tokens = recent_tokens;
-    config.max_requests = max_requests;
-    if (page_size <= 0) return invalid_argument("--page-size must be positive");
-    const int64_t pages = (capacity + page_size - 1) / page_size;
-    // BF16: the sink pages, the window's pages (recent + page_size - 1 tokens: at most
-    // recent/page_size + 2 pages), and as many again for window pages that a long step
-    // demotes, which stay allocated until finish(); INT2: every page of the context at most.
-    const int64_t sink_pages = (std::min<int64_t>(sink_tokens, capacity) + page_size - 1) / page_size;
-    const int64_t window_pages = std::min<int64_t>(pages, (recent_tokens + page_size - 1) / page_size + 2);
-    config.num_bf16_pages = static_cast<int32_t>((sink_pages + 2 * window_pages + 2) * max_requests);
-    config.num_int2_pages = static_cast<int32_t>((pages + 1) * max_requests);
-    auto cache = host::PagedCache::create(config, std::move(layers));
+    auto config = paged_cache_config(cache_shape(model), capacity, sink_tokens, recent_tokens, page_size,
+                                     max_requests);
+    if (!config.ok()) return config.status();
+    auto cache = host::PagedCache::create(*config, std::move(layers));
     if (!cache.ok()) return cache.status();
     std::unique_ptr<PagedKvCache> out(new PagedKvCache(std::move(*cache), capacity));
     auto request = out->cache_.add_request();
@@ -288,12 +268,8 @@ class PagedKvCache final : public KvCache {
   Status write(int32_t layer, const float* k, const float* v) override {
     const auto& c = cache_.config();
     const size_t count = static_cast<size_t>(step_) * c.num_kv_heads * c.head_dim;
-    k_bf16_.resize(count);
-    v_bf16_.resize(count);
-    for (size_t i = 0; i < count; ++i) {
-      k_bf16_[i] = float_to_bf16(k[i]);
-      v_bf16_[i] = float_to_bf16(v[i]);
-    }
+    rows_to_bf16(k, count, k_bf16_);
+    rows_to_bf16(v, count, v_bf16_);
     return cache_.write(layer, plan_, k_bf16_.data(), v_bf16_.data());
   }
   Status attend(int32_t layer, const float* q, float* out) override {
@@ -323,11 +299,7 @@ class PagedKvCache final : public KvCache {
     return cache_.finish(plan_);
   }
   int64_t length() const override { return length_; }
-  double bytes_per_token() const override {
-    const auto& c = cache_.config();
-    const SegmentCounts counts = segment_counts(length_, c.sink_tokens, c.recent_tokens, c.page_size);
-    return storage_cost(cache_.int2_layout(), counts).bytes_per_token * c.num_kv_heads * c.num_layers;
-  }
+  double bytes_per_token() const override { return paged_bytes_per_token(cache_.config(), length_); }
   const host::PagedCache& cache() const { return cache_; }
 
  private:

@@ -113,6 +113,9 @@ void print_help() {
       "                          oscar          INT2, the plan's rotations, the authors' fixed clip\n"
       "                                         ratios 0.96 (K) / 0.92 (V) (needs --plan)\n"
       "                          oscar-fit      INT2, the plan's rotations and fitted clip ratios\n"
+      "                        METHOD@gpu (bf16, int2-naive, int2-hadamard, oscar, oscar-fit): the\n"
+      "                        same cache in GPU memory, written and read by oscar's kernels\n"
+      "                        (CUDA builds, a GPU visible; head_dim 64, 128 or 256)\n"
       "  --plan FILE           plan file (from calibrate or oscar-fit), for oscar and oscar-fit\n"
       "                        (shipped for the default model: examples/oscar-decode/plans/)\n"
       "  --sink N              first N tokens stay BF16 (default 0; calibrate (recorded in the plan) and fidelity: 64)\n"
@@ -350,8 +353,9 @@ struct Plans {
 
 Result<std::unique_ptr<KvCache>> build_cache(const std::string& name, const Options& o, const LlamaConfig& config,
                                              int64_t capacity, const Plans& plans) {
-  auto method = parse_cache_method(name);
-  if (!method.ok()) return method.status();
+  auto spec = parse_cache_spec(name);
+  if (!spec.ok()) return spec.status();
+  const auto method = &spec->method;
   if (needs_plan(*method) && !plans.plan) {
     return oscar::invalid_argument("--cache " + name + " needs --plan FILE (write one with 'oscar-decode calibrate')");
   }
@@ -363,7 +367,7 @@ Result<std::unique_ptr<KvCache>> build_cache(const std::string& name, const Opti
   co.reference_attention = o.attention == "reference";
   co.attention_threads = static_cast<int32_t>(o.threads);
   co.attention_block = static_cast<int32_t>(o.attention_block);
-  auto cache = make_cache(*method, config, co, plans.plan ? &*plans.plan : nullptr);
+  auto cache = make_cache(*spec, config, co, plans.plan ? &*plans.plan : nullptr);
   if (!cache.ok()) {
     const std::string where = needs_plan(*method) ? "--cache " + name + " --plan " + o.plan : "--cache " + name;
     return oscar::Status(cache.status().code(), where + ": " + cache.status().message());
@@ -920,9 +924,9 @@ int main(int argc, char** argv) {
   bool plan_needed = false;
   if (o.mode == "generate" || o.mode == "perplexity" || o.mode == "share") {
     for (const std::string& name : split_list(o.cache)) {
-      auto method = parse_cache_method(name);
-      if (!method.ok()) return usage_error(method.status().message());
-      plan_needed |= needs_plan(*method);
+      auto spec = parse_cache_spec(name);
+      if (!spec.ok()) return usage_error(spec.status().message());
+      plan_needed |= needs_plan(spec->method);
     }
     if (plan_needed && o.plan.empty()) {
       return usage_error("--cache " + o.cache + " needs --plan FILE (write one with 'oscar-decode calibrate --text FILE --out PLAN')");

@@ -11,15 +11,10 @@
 #include <cstdio>
 
 #include "common/cuda_check.hpp"
+#include "common/cuda_device.hpp"
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  const cudaError_t error = cudaGetDeviceCount(&devices);
-  if (error != cudaSuccess || devices == 0) {
-    std::printf("SKIPPED: no CUDA device visible (%s)\n",
-                error == cudaSuccess ? "0 devices" : cudaGetErrorString(error));
-    return 77;
-  }
+  if (!cuda_device_visible()) return 77;
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   std::printf("running on %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);

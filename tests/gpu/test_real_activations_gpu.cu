@@ -26,6 +26,7 @@
 
 #include "common/attention_errors.hpp"
 #include "common/cuda_check.hpp"
+#include "common/cuda_device.hpp"
 #include "common/device_attention.hpp"
 #include "common/device_pools.hpp"
 #include "common/device_write_step.hpp"
@@ -247,12 +248,7 @@ TEST_CASE("real SmolLM2 activations: the tensor-core bulk append") {
 }
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  const cudaError_t error = cudaGetDeviceCount(&devices);
-  if (error != cudaSuccess || devices == 0) {
-    std::printf("SKIPPED: no CUDA device visible (%s)\n", error == cudaSuccess ? "0 devices" : cudaGetErrorString(error));
-    return 77;
-  }
+  if (!cuda_device_visible()) return 77;
   const std::string dir = data_dir();
   if (dir.empty() || !std::filesystem::exists(dir + "/activations.safetensors") ||
       !std::filesystem::exists(dir + "/plan.safetensors")) {

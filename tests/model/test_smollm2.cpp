@@ -20,33 +20,12 @@
 
 #include "cache_methods.hpp"
 #include "calibration.hpp"
-#include "gguf.hpp"
-#include "llama.hpp"
-#include "model_location.hpp"
-#include "tokenizer.hpp"
+#include "model/smollm2_model.hpp"
 
 using namespace oscar::decode;
+using namespace oscar::decode::testing;
 
 namespace {
-
-struct Loaded {
-  GgufFile file;
-  LlamaWeights weights;
-  BpeTokenizer tokenizer;
-};
-
-const Loaded& model() {
-  static std::unique_ptr<Loaded> loaded = [] {
-    auto file = GgufFile::open(default_model_path());
-    REQUIRE_MESSAGE(file.ok(), file.status().to_string());
-    auto weights = load_llama(*file);
-    REQUIRE_MESSAGE(weights.ok(), weights.status().to_string());
-    auto tok = BpeTokenizer::from_gguf(*file);
-    REQUIRE_MESSAGE(tok.ok(), tok.status().to_string());
-    return std::unique_ptr<Loaded>(new Loaded{std::move(*file), std::move(*weights), std::move(*tok)});
-  }();
-  return *loaded;
-}
 
 double mean(const std::vector<double>& v) {
   double s = 0;
@@ -71,42 +50,6 @@ void check_paired_win(const std::vector<double>& better_nll, const std::vector<d
 const std::string kChatPrompt =
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
-
-std::string read_text() {
-  std::ifstream in(std::string(OSCAR_TEST_DATA_DIR) + "/lighthouse.txt");
-  REQUIRE(in);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-int argmax(const float* x, int n) {
-  int best = 0;
-  for (int i = 1; i < n; ++i) if (x[i] > x[best]) best = i;
-  return best;
-}
-
-// Logits of every token, fed `chunk` tokens per cache step.
-std::vector<std::vector<float>> run(KvCache& cache, const std::vector<int32_t>& ids, size_t chunk) {
-  std::vector<std::vector<float>> out;
-  for (size_t start = 0; start < ids.size(); start += chunk) {
-    const size_t end = std::min(ids.size(), start + chunk);
-    auto logits = forward(model().weights, cache,
-                          std::vector<int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(start), ids.begin() + static_cast<std::ptrdiff_t>(end)));
-    REQUIRE_MESSAGE(logits.ok(), logits.status().to_string());
-    for (Eigen::Index r = 0; r < logits->rows(); ++r) out.emplace_back(logits->row(r).data(), logits->row(r).data() + logits->cols());
-  }
-  return out;
-}
-
-std::vector<double> log_softmax(const std::vector<float>& z) {
-  double m = -1e300, s = 0;
-  for (float v : z) m = std::max(m, static_cast<double>(v));
-  for (float v : z) s += std::exp(v - m);
-  std::vector<double> out(z.size());
-  for (size_t i = 0; i < z.size(); ++i) out[i] = z[i] - m - std::log(s);
-  return out;
-}
 
 // The float64 reference: weights dequantized from the file (each a float, exact in double),
 // all arithmetic in double, llama.cpp's conventions (rows as stored, RoPE on pairs 2i, 2i+1).
@@ -289,7 +232,7 @@ TEST_CASE("SmolLM2: float32 logits match an independent float64 forward") {
   ids.resize(6);
   const auto expected = reference_logits(ids);
   ExactKvCache cache(model().weights.config, 16);
-  const auto got = run(cache, ids, 1);
+  const auto got = run(cache, ids, {1});
   const int V = model().weights.config.vocab_size;
   double worst = 0, scale = 0;
   for (size_t t = 0; t < ids.size(); ++t) {
@@ -334,19 +277,11 @@ TEST_CASE("SmolLM2: bf16 paged cache agrees with the exact float cache within bf
   ExactKvCache exact(c, 96);
   auto bf16 = make_cache(CacheMethod::kBf16, c, {96, 0, 0, 16});
   REQUIRE(bf16.ok());
-  const auto a = run(exact, ids, 16);
-  const auto b = run(**bf16, ids, 16);
-  double kl = 0, worst = 0;
-  int same_top1 = 0;
-  for (size_t t = 0; t < ids.size(); ++t) {
-    const auto p = log_softmax(a[t]), q = log_softmax(b[t]);
-    for (size_t i = 0; i < p.size(); ++i) {
-      kl += std::exp(p[i]) * (p[i] - q[i]);
-      worst = std::max(worst, static_cast<double>(std::abs(a[t][i] - b[t][i])));
-    }
-    same_top1 += argmax(a[t].data(), c.vocab_size) == argmax(b[t].data(), c.vocab_size);
-  }
-  kl /= static_cast<double>(ids.size());
+  const auto a = run(exact, ids, {16});
+  const auto b = run(**bf16, ids, {16});
+  const LogitGap gap = logit_gap(a, b);
+  const double kl = gap.mean_kl, worst = gap.worst_logit;
+  const int same_top1 = gap.same_top1;
   MESSAGE("mean KL(exact || bf16) " << kl << ", max |logit diff| " << worst << ", top-1 agreement " << same_top1 << "/" << ids.size());
   // bf16 keeps 8 significant bits: each cached K/V element moves by up to 2^-9 of itself,
   // so attention logits and outputs move by ~2^-9 of their scale, and the final logits
@@ -367,7 +302,7 @@ TEST_CASE("SmolLM2: perplexity orders bf16 < int2-hadamard < int2-naive") {
   auto nll_of = [&](CacheMethod method) {
     auto cache = make_cache(method, c, {256, 0, 0, 16});
     REQUIRE(cache.ok());
-    const auto logits = run(**cache, std::vector<int32_t>(ids.begin(), ids.end() - 1), 16);
+    const auto logits = run(**cache, std::vector<int32_t>(ids.begin(), ids.end() - 1), {16});
     std::vector<double> nll;
     for (size_t t = 0; t + 1 < ids.size(); ++t) nll.push_back(-log_softmax(logits[t])[static_cast<size_t>(ids[t + 1])]);
     return nll;
@@ -439,7 +374,7 @@ TEST_CASE("SmolLM2: int4 and oscar-fit beat int2-hadamard on held-out tokens; a 
   auto nll_of = [&](CacheMethod method) {
     auto cache = make_cache(method, c, {256, 0, 0, 16}, &plan);
     REQUIRE_MESSAGE(cache.ok(), cache.status().to_string());
-    const auto logits = run(**cache, std::vector<int32_t>(ids.begin(), ids.end() - 1), 1);
+    const auto logits = run(**cache, std::vector<int32_t>(ids.begin(), ids.end() - 1), {1});
     std::vector<double> nll;
     for (size_t t = 0; t + 1 < ids.size(); ++t) nll.push_back(-log_softmax(logits[t])[static_cast<size_t>(ids[t + 1])]);
     return nll;
@@ -496,11 +431,7 @@ TEST_CASE("SmolLM2: a forked request shares the prefix's INT2 pages and computes
 }
 
 int main(int argc, char** argv) {
-  const std::string path = default_model_path();
-  if (!std::ifstream(path)) {
-    std::printf("SKIPPED: SmolLM2 model not found at %s (run scripts/fetch-model.sh, or set OSCAR_MODEL)\n", path.c_str());
-    return 77;
-  }
+  if (!smollm2_model_present()) return 77;
   doctest::Context context(argc, argv);
   return context.run();
 }

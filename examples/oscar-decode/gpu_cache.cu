@@ -1,0 +1,337 @@
+// GpuKvCache: oscar-decode's KvCache over device pools, written and read by the library's
+// kernels (gpu_cache.hpp says what and why; docs/gpu.md is the engine's guide it follows).
+#include "gpu_cache.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "oscar/attention/paged_attention.cuh"
+#include "oscar/kv/write.cuh"
+#include "oscar/quant/clip.hpp"
+
+namespace oscar::decode {
+namespace {
+
+Status cuda_call(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return Status::Ok();
+  return {StatusCode::kCudaError, std::string("gpu cache: ") + what + ": " + cudaGetErrorString(error)};
+}
+
+// Device memory that grows on demand (its contents are not kept when it grows) and frees itself.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  Status reserve(size_t bytes) {
+    bytes = std::max<size_t>(bytes, 256);  // never null, and 256-byte aligned (cudaMalloc)
+    if (bytes <= bytes_) return Status::Ok();
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+    OSCAR_RETURN_IF_ERROR(cuda_call(cudaMalloc(&ptr_, bytes), "cudaMalloc"));
+    bytes_ = bytes;
+    return Status::Ok();
+  }
+  template <class T>
+  Status upload(std::span<const T> host) {
+    OSCAR_RETURN_IF_ERROR(reserve(host.size_bytes()));
+    if (host.empty()) return Status::Ok();
+    return cuda_call(cudaMemcpy(ptr_, host.data(), host.size_bytes(), cudaMemcpyHostToDevice), "upload");
+  }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A page table's three arrays on the device.
+struct DeviceTable {
+  DeviceBuffer indptr, indices, last_page_len;
+  Status upload(const host::BatchTables::Table& t) {
+    OSCAR_RETURN_IF_ERROR(indptr.upload(std::span<const int32_t>(t.indptr)));
+    OSCAR_RETURN_IF_ERROR(indices.upload(std::span<const int32_t>(t.indices)));
+    return last_page_len.upload(std::span<const int32_t>(t.last_page_len));
+  }
+  PageTableRef ref(const host::BatchTables::Table& t, int32_t page_size) const {
+    return {indptr.as<int32_t>(), indices.as<int32_t>(), last_page_len.as<int32_t>(),
+            static_cast<int32_t>(t.last_page_len.size()), page_size};
+  }
+};
+
+// The rotations of every layer as one float32 [layers][d][d] array, or empty where no layer
+// rotates. A layer without a rotation among rotated ones gets the identity (the same bytes
+// as no rotation: x·I in float is exact).
+std::vector<float> stacked_rotations(const std::vector<host::LayerQuantizer>& layers, int32_t d, bool keys) {
+  auto rotation = [&](const host::LayerQuantizer& l) -> const std::vector<float>& {
+    return keys ? l.k_rotation : l.v_rotation;
+  };
+  const bool any = std::any_of(layers.begin(), layers.end(), [&](const auto& l) { return !rotation(l).empty(); });
+  std::vector<float> out;
+  if (!any) return out;
+  for (const auto& l : layers) {
+    if (rotation(l).empty()) {
+      for (int32_t i = 0; i < d; ++i)
+        for (int32_t j = 0; j < d; ++j) out.push_back(i == j ? 1.0f : 0.0f);
+    } else {
+      out.insert(out.end(), rotation(l).begin(), rotation(l).end());
+    }
+  }
+  return out;
+}
+
+class GpuKvCache final : public KvCache {
+ public:
+  static Result<std::unique_ptr<KvCache>> create(const host::CacheConfig& config, int64_t capacity,
+                                                 std::vector<host::LayerQuantizer> layers) {
+    int devices = 0;
+    const cudaError_t count = cudaGetDeviceCount(&devices);
+    if (count != cudaSuccess || devices == 0) {
+      return failed_precondition(std::string("no CUDA device visible (") +
+                                 (count == cudaSuccess ? "none found" : cudaGetErrorString(count)) +
+                                 "): the @gpu caches need one");
+    }
+    auto options = attention_plan_options_for_device(config.head_dim);
+    if (!options.ok()) return options.status();
+    const Int2Layout layout = config.int2_layout();
+    OSCAR_RETURN_IF_ERROR(validate(AttentionShape{config.num_qo_heads, config.num_kv_heads, config.head_dim,
+                                                  layout.quant_group_size, config.page_size}));
+    const std::vector<float> k_rotations = stacked_rotations(layers, config.head_dim, true);
+    const std::vector<float> v_rotations = stacked_rotations(layers, config.head_dim, false);
+    std::vector<int32_t> k_ranks, v_ranks;
+    for (const auto& l : layers) {
+      k_ranks.push_back(clip_rank(l.k_clip_ratio, config.head_dim));
+      v_ranks.push_back(clip_rank(l.v_clip_ratio, config.head_dim));
+    }
+    host::CacheConfig books_config = config;
+    books_config.host_pools = false;  // the books only: the rows live on the device
+    auto books = host::PagedCache::create(books_config, std::move(layers));
+    if (!books.ok()) return books.status();
+
+    std::unique_ptr<GpuKvCache> cache(new GpuKvCache(std::move(*books), capacity, *options));
+    GpuKvCache& c = *cache;
+    const int32_t heads = config.num_kv_heads, d = config.head_dim;
+    c.int2_layer_bytes_ = int64_t{config.num_int2_pages} * heads * layout.block_bytes();
+    c.bf16_layer_elements_ = int64_t{config.num_bf16_pages} * heads * config.page_size * d;
+    const size_t int2_bytes = size_t(c.int2_layer_bytes_) * config.num_layers;
+    const size_t bf16_bytes = size_t(c.bf16_layer_elements_) * config.num_layers * sizeof(bf16_t);
+    for (auto [buffer, bytes] : {std::pair{&c.k_int2_, int2_bytes}, std::pair{&c.v_int2_, int2_bytes},
+                                 std::pair{&c.k_bf16_, bf16_bytes}, std::pair{&c.v_bf16_, bf16_bytes}}) {
+      OSCAR_RETURN_IF_ERROR(buffer->reserve(bytes));
+      OSCAR_RETURN_IF_ERROR(cuda_call(cudaMemset(buffer->as<void>(), 0, bytes), "cudaMemset"));
+    }
+    OSCAR_RETURN_IF_ERROR(c.k_rotation_.upload(std::span<const float>(k_rotations)));
+    OSCAR_RETURN_IF_ERROR(c.v_rotation_.upload(std::span<const float>(v_rotations)));
+    OSCAR_RETURN_IF_ERROR(c.k_clip_rank_.upload(std::span<const int32_t>(k_ranks)));
+    OSCAR_RETURN_IF_ERROR(c.v_clip_rank_.upload(std::span<const int32_t>(v_ranks)));
+    const int32_t zero = 0;
+    OSCAR_RETURN_IF_ERROR(c.error_flag_.upload(std::span<const int32_t>(&zero, 1)));
+
+    LayeredKvPools& p = c.pools_;
+    p.k_int2 = Int2PoolRef::packed(c.k_int2_.as<uint8_t>(), config.num_int2_pages, heads, layout);
+    p.v_int2 = Int2PoolRef::packed(c.v_int2_.as<uint8_t>(), config.num_int2_pages, heads, layout);
+    p.k_bf16 = Bf16PoolRef::packed(c.k_bf16_.as<bf16_t>(), config.num_bf16_pages, heads, config.page_size, d);
+    p.v_bf16 = Bf16PoolRef::packed(c.v_bf16_.as<bf16_t>(), config.num_bf16_pages, heads, config.page_size, d);
+    p.int2_stride_layer = c.int2_layer_bytes_;
+    p.bf16_stride_layer = c.bf16_layer_elements_;
+    p.num_layers = config.num_layers;
+    p.k_rotation = k_rotations.empty() ? nullptr : c.k_rotation_.as<float>();
+    p.v_rotation = v_rotations.empty() ? nullptr : c.v_rotation_.as<float>();
+    p.k_clip_rank = c.k_clip_rank_.as<int32_t>();
+    p.v_clip_rank = c.v_clip_rank_.as<int32_t>();
+    p.max_clip_distance = widest_clip_distance(k_ranks, v_ranks, d);
+    OSCAR_RETURN_IF_ERROR(validate(p));
+
+    auto request = c.books_.add_request();
+    if (!request.ok()) return request.status();
+    c.request_ = *request;
+    return std::unique_ptr<KvCache>(std::move(cache));
+  }
+
+  Status begin_step(int32_t n) override {
+    if (step_ != 0) return failed_precondition("gpu cache: begin_step while a step is open");
+    if (n <= 0) return invalid_argument("gpu cache: a step needs at least one token");
+    if (length_ + n > capacity_) {
+      return resource_exhausted("context full: " + std::to_string(length_ + n) + " tokens > " +
+                                std::to_string(capacity_));
+    }
+    const int32_t counts[1] = {n};
+    auto plan = books_.plan_append(std::span<const host::RequestId>(&request_, 1), counts);
+    if (!plan.ok()) return plan.status();
+    plan_ = std::move(*plan);
+    // Everything the step's launches read, uploaded once; on failure the books forget the step.
+    const Status prepared = prepare_step(n);
+    if (!prepared.ok()) {
+      (void)books_.cancel(plan_);
+      return prepared;
+    }
+    step_ = n;
+    length_ += n;
+    return Status::Ok();
+  }
+
+  Status write(int32_t layer, const float* k, const float* v) override {
+    OSCAR_RETURN_IF_ERROR(check_layer_call(layer, "write"));
+    const host::CacheConfig& c = books_.config();
+    const size_t count = size_t(step_) * c.num_kv_heads * c.head_dim;
+    rows_to_bf16(k, count, staging_);
+    OSCAR_RETURN_IF_ERROR(k_in_.upload(std::span<const bf16_t>(staging_)));
+    rows_to_bf16(v, count, staging_);
+    OSCAR_RETURN_IF_ERROR(v_in_.upload(std::span<const bf16_t>(staging_)));
+    // The layer's window pages that leave BF16 this step first, then the new rows (a demoted
+    // page stays allocated until end_step, so no new row lands in it).
+    const LayeredKvPools pools = layer_pools(layer);
+    DemoteParams demote;
+    demote.pools = pools;
+    demote.num_demotions = static_cast<int32_t>(plan_.demotions.size());
+    demote.demotions = demotions_.as<PageDemotion>();
+    demote.error_flag = error_flag_.as<int32_t>();
+    OSCAR_RETURN_IF_ERROR(demote_kv(demote));
+    AppendParams append;
+    append.pools = pools;
+    append.k = k_in_.as<bf16_t>();
+    append.v = v_in_.as<bf16_t>();
+    append.in_stride_token = int64_t{c.num_kv_heads} * c.head_dim;
+    append.in_stride_layer = append.in_stride_token * step_;
+    append.num_tokens = step_;
+    append.slots = slots_.as<TokenSlot>();
+    append.error_flag = error_flag_.as<int32_t>();
+    return append_kv(append);
+  }
+
+  Status attend(int32_t layer, const float* q, float* out) override {
+    OSCAR_RETURN_IF_ERROR(check_layer_call(layer, "attend"));
+    const host::CacheConfig& c = books_.config();
+    const size_t count = size_t(step_) * c.num_qo_heads * c.head_dim;
+    rows_to_bf16(q, count, staging_);
+    OSCAR_RETURN_IF_ERROR(q_.upload(std::span<const bf16_t>(staging_)));
+    OSCAR_RETURN_IF_ERROR(out_.reserve(count * sizeof(bf16_t)));
+    const LayeredKvPools pools = layer_pools(layer);
+    PagedAttentionParams p;
+    p.kv = {pools.k_bf16,
+            pools.v_bf16,
+            pools.k_int2,
+            pools.v_int2,
+            sink_.ref(tables_.sink, c.page_size),
+            int2_.ref(tables_.int2, c.page_size),
+            recent_.ref(tables_.recent, c.page_size)};
+    p.num_qo_heads = c.num_qo_heads;
+    p.q = q_.as<bf16_t>();
+    p.qo_indptr = step_ > 1 ? qo_indptr_.as<int32_t>() : nullptr;
+    p.q_rotation = pools.k_rotation;  // the kernels rotate q into the keys' basis ...
+    p.output_unrotation = pools.v_rotation;  // ... and bring the output back from the values'
+    p.out = out_.as<bf16_t>();
+    OSCAR_RETURN_IF_ERROR(paged_attention(attention_plan_, p, workspace_.as<void>(), workspace_.bytes()));
+    out_host_.resize(count);
+    OSCAR_RETURN_IF_ERROR(cuda_call(
+        cudaMemcpy(out_host_.data(), p.out, count * sizeof(bf16_t), cudaMemcpyDeviceToHost), "attention output"));
+    for (size_t i = 0; i < count; ++i) out[i] = bf16_to_float(out_host_[i]);
+    return Status::Ok();
+  }
+
+  Status end_step() override {
+    if (step_ == 0) return failed_precondition("gpu cache: end_step without begin_step");
+    int32_t flag = 0;
+    OSCAR_RETURN_IF_ERROR(
+        cuda_call(cudaMemcpy(&flag, error_flag_.as<int32_t>(), sizeof(flag), cudaMemcpyDeviceToHost), "error flag"));
+    if (flag != 0) return {StatusCode::kInternal, "gpu cache: a write kernel refused a slot of the books' plan"};
+    step_ = 0;
+    return books_.finish(plan_);
+  }
+
+  int64_t length() const override { return length_; }
+  double bytes_per_token() const override { return paged_bytes_per_token(books_.config(), length_); }
+
+ private:
+  GpuKvCache(host::PagedCache books, int64_t capacity, AttentionPlanOptions options)
+      : books_(std::move(books)), capacity_(capacity), plan_options_(options) {}
+
+  // Uploads the step's slots, demotions and page tables (the lengths after the step), and
+  // plans and uploads the attention of its n query tokens.
+  Status prepare_step(int32_t n) {
+    const host::CacheConfig& c = books_.config();
+    OSCAR_RETURN_IF_ERROR(slots_.upload(std::span<const TokenSlot>(plan_.slots)));
+    OSCAR_RETURN_IF_ERROR(demotions_.upload(std::span<const PageDemotion>(plan_.demotions)));
+    auto tables = books_.page_tables(std::span<const host::RequestId>(&request_, 1));
+    if (!tables.ok()) return tables.status();
+    tables_ = std::move(*tables);
+    OSCAR_RETURN_IF_ERROR(sink_.upload(tables_.sink));
+    OSCAR_RETURN_IF_ERROR(int2_.upload(tables_.int2));
+    OSCAR_RETURN_IF_ERROR(recent_.upload(tables_.recent));
+    const int32_t qo_indptr[2] = {0, n};
+    OSCAR_RETURN_IF_ERROR(qo_indptr_.upload(std::span<const int32_t>(qo_indptr)));
+    const SegmentCounts segments[1] = {books_.segments(request_)};
+    const AttentionShape shape{c.num_qo_heads, c.num_kv_heads, c.head_dim, books_.int2_layout().quant_group_size,
+                               c.page_size};
+    auto plan = make_attention_plan(shape, segments, n > 1 ? std::span<const int32_t>(&n, 1) : std::span<const int32_t>(),
+                                    plan_options_);
+    if (!plan.ok()) return plan.status();
+    attention_plan_ = std::move(*plan);
+    OSCAR_RETURN_IF_ERROR(workspace_.reserve(attention_plan_.workspace_bytes()));
+    return upload_attention_plan(attention_plan_, workspace_.as<void>(), workspace_.bytes());
+  }
+
+  Status check_layer_call(int32_t layer, const char* call) const {
+    if (step_ == 0) return failed_precondition(std::string("gpu cache: ") + call + " outside a step");
+    if (layer < 0 || layer >= books_.config().num_layers) {
+      return out_of_range("gpu cache: layer " + std::to_string(layer) + " of " +
+                          std::to_string(books_.config().num_layers));
+    }
+    return Status::Ok();
+  }
+
+  // Layer `layer`'s pools, rotations and clip ranks as a one-layer view.
+  LayeredKvPools layer_pools(int32_t layer) const {
+    const int32_t d = books_.config().head_dim;
+    LayeredKvPools p = pools_;
+    p.k_int2.data += layer * int2_layer_bytes_;
+    p.v_int2.data += layer * int2_layer_bytes_;
+    p.k_bf16.data += layer * bf16_layer_elements_;
+    p.v_bf16.data += layer * bf16_layer_elements_;
+    p.num_layers = 1;
+    if (p.k_rotation) p.k_rotation += size_t(layer) * d * d;
+    if (p.v_rotation) p.v_rotation += size_t(layer) * d * d;
+    p.k_clip_rank += layer;
+    p.v_clip_rank += layer;
+    return p;
+  }
+
+  host::PagedCache books_;
+  int64_t capacity_;
+  AttentionPlanOptions plan_options_;
+  host::RequestId request_ = 0;
+  host::WritePlan plan_;
+  host::BatchTables tables_;
+  AttentionPlan attention_plan_;
+  int64_t length_ = 0;
+  int32_t step_ = 0;
+  int64_t int2_layer_bytes_ = 0, bf16_layer_elements_ = 0;
+  LayeredKvPools pools_;
+  DeviceBuffer k_int2_, v_int2_, k_bf16_, v_bf16_;       // every layer, layer-strided
+  DeviceBuffer k_rotation_, v_rotation_, k_clip_rank_, v_clip_rank_, error_flag_;
+  DeviceBuffer slots_, demotions_, qo_indptr_, workspace_;  // the step's
+  DeviceTable sink_, int2_, recent_;
+  DeviceBuffer k_in_, v_in_, q_, out_;  // a layer's rows
+  std::vector<bf16_t> staging_, out_host_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<KvCache>> make_gpu_cache(const host::CacheConfig& config, int64_t capacity,
+                                                std::vector<host::LayerQuantizer> layers) {
+  return GpuKvCache::create(config, capacity, std::move(layers));
+}
+
+}  // namespace oscar::decode
