@@ -72,8 +72,8 @@ struct DeviceTable {
 };
 
 // The rotations of every layer as one float32 [layers][d][d] array, or empty where no layer
-// rotates. A layer without a rotation among rotated ones gets the identity (the same bytes
-// as no rotation: x·I in float is exact).
+// rotates. A layer without a rotation among rotated ones gets the identity (x·I is x for
+// every finite x; the methods of oscar-decode rotate every layer or none).
 std::vector<float> stacked_rotations(const std::vector<host::LayerQuantizer>& layers, int32_t d, bool keys) {
   auto rotation = [&](const host::LayerQuantizer& l) -> const std::vector<float>& {
     return keys ? l.k_rotation : l.v_rotation;
@@ -207,15 +207,20 @@ class GpuKvCache final : public KvCache {
     append.in_stride_layer = append.in_stride_token * step_;
     append.num_tokens = step_;
     append.slots = slots_.as<TokenSlot>();
+    append.values_prerotated = c.values_prerotated;
+    // kAuto, as an engine would run it: prefill chunks of 4096 rows or more (tokens x KV heads)
+    // rotate on tensor cores, within 2^-15 of the CPU cache's FMA rotation (docs/gpu.md §3).
     append.error_flag = error_flag_.as<int32_t>();
-    return append_kv(append);
+    OSCAR_RETURN_IF_ERROR(append_kv(append));
+    plan_.layer_written[size_t(layer)] = true;
+    return Status::Ok();
   }
 
   Status attend(int32_t layer, const float* q, float* out) override {
     OSCAR_RETURN_IF_ERROR(check_layer_call(layer, "attend"));
     const host::CacheConfig& c = books_.config();
     const size_t count = size_t(step_) * c.num_qo_heads * c.head_dim;
-    rows_to_bf16(q, count, staging_);
+    rows_to_bf16(q, count, staging_);  // the kernels take bf16 q, as an engine holds it
     OSCAR_RETURN_IF_ERROR(q_.upload(std::span<const bf16_t>(staging_)));
     OSCAR_RETURN_IF_ERROR(out_.reserve(count * sizeof(bf16_t)));
     const LayeredKvPools pools = layer_pools(layer);
@@ -224,9 +229,9 @@ class GpuKvCache final : public KvCache {
             pools.v_bf16,
             pools.k_int2,
             pools.v_int2,
-            sink_.ref(tables_.sink, c.page_size),
-            int2_.ref(tables_.int2, c.page_size),
-            recent_.ref(tables_.recent, c.page_size)};
+            sink_table_.ref(tables_.sink, c.page_size),
+            int2_table_.ref(tables_.int2, c.page_size),
+            recent_table_.ref(tables_.recent, c.page_size)};
     p.num_qo_heads = c.num_qo_heads;
     p.q = q_.as<bf16_t>();
     p.qo_indptr = step_ > 1 ? qo_indptr_.as<int32_t>() : nullptr;
@@ -235,20 +240,39 @@ class GpuKvCache final : public KvCache {
     p.out = out_.as<bf16_t>();
     OSCAR_RETURN_IF_ERROR(paged_attention(attention_plan_, p, workspace_.as<void>(), workspace_.bytes()));
     out_host_.resize(count);
-    OSCAR_RETURN_IF_ERROR(cuda_call(
-        cudaMemcpy(out_host_.data(), p.out, count * sizeof(bf16_t), cudaMemcpyDeviceToHost), "attention output"));
+    // (This copy waits for the layer's launches: an error of any of them surfaces here.)
+    OSCAR_RETURN_IF_ERROR(cuda_call(cudaMemcpy(out_host_.data(), p.out, count * sizeof(bf16_t), cudaMemcpyDeviceToHost),
+                                    ("layer " + std::to_string(layer) + " kernels").c_str()));
     for (size_t i = 0; i < count; ++i) out[i] = bf16_to_float(out_host_[i]);
     return Status::Ok();
   }
 
+  // Closes the step once every layer is written (the books then free the demoted window
+  // pages, whose rows must have reached their INT2 pages first). A write kernel that refused a
+  // slot of the books' plan (a bug: the books and the pools disagree) cancels the step.
   Status end_step() override {
     if (step_ == 0) return failed_precondition("gpu cache: end_step without begin_step");
+    const auto& written = plan_.layer_written;
+    const auto missing = std::find(written.begin(), written.end(), false);
+    if (missing != written.end()) {
+      return failed_precondition("gpu cache: end_step before layer " + std::to_string(missing - written.begin()) +
+                                 " was written");
+    }
     int32_t flag = 0;
     OSCAR_RETURN_IF_ERROR(
         cuda_call(cudaMemcpy(&flag, error_flag_.as<int32_t>(), sizeof(flag), cudaMemcpyDeviceToHost), "error flag"));
-    if (flag != 0) return {StatusCode::kInternal, "gpu cache: a write kernel refused a slot of the books' plan"};
+    if (flag != 0) {
+      const int32_t zero = 0;
+      OSCAR_RETURN_IF_ERROR(cuda_call(cudaMemcpy(error_flag_.as<int32_t>(), &zero, sizeof(zero), cudaMemcpyHostToDevice),
+                                      "error flag reset"));
+      OSCAR_RETURN_IF_ERROR(books_.cancel(plan_));
+      length_ -= step_;
+      step_ = 0;
+      return {StatusCode::kInternal, "gpu cache: a write kernel refused a slot of the books' plan; the step was cancelled"};
+    }
+    OSCAR_RETURN_IF_ERROR(books_.finish(plan_));
     step_ = 0;
-    return books_.finish(plan_);
+    return Status::Ok();
   }
 
   int64_t length() const override { return length_; }
@@ -267,9 +291,9 @@ class GpuKvCache final : public KvCache {
     auto tables = books_.page_tables(std::span<const host::RequestId>(&request_, 1));
     if (!tables.ok()) return tables.status();
     tables_ = std::move(*tables);
-    OSCAR_RETURN_IF_ERROR(sink_.upload(tables_.sink));
-    OSCAR_RETURN_IF_ERROR(int2_.upload(tables_.int2));
-    OSCAR_RETURN_IF_ERROR(recent_.upload(tables_.recent));
+    OSCAR_RETURN_IF_ERROR(sink_table_.upload(tables_.sink));
+    OSCAR_RETURN_IF_ERROR(int2_table_.upload(tables_.int2));
+    OSCAR_RETURN_IF_ERROR(recent_table_.upload(tables_.recent));
     const int32_t qo_indptr[2] = {0, n};
     OSCAR_RETURN_IF_ERROR(qo_indptr_.upload(std::span<const int32_t>(qo_indptr)));
     const SegmentCounts segments[1] = {books_.segments(request_)};
@@ -322,7 +346,7 @@ class GpuKvCache final : public KvCache {
   DeviceBuffer k_int2_, v_int2_, k_bf16_, v_bf16_;       // every layer, layer-strided
   DeviceBuffer k_rotation_, v_rotation_, k_clip_rank_, v_clip_rank_, error_flag_;
   DeviceBuffer slots_, demotions_, qo_indptr_, workspace_;  // the step's
-  DeviceTable sink_, int2_, recent_;
+  DeviceTable sink_table_, int2_table_, recent_table_;
   DeviceBuffer k_in_, v_in_, q_, out_;  // a layer's rows
   std::vector<bf16_t> staging_, out_host_;
 };
