@@ -74,6 +74,12 @@ TEST_CASE("oscar-decode: bad flags, a missing plan and wrong plans give exit 2 a
   r = run("perplexity --text " + kText + " --cache oscar-fit --plan " + path("absent.safetensors"));
   CHECK(r.code == 2);
   CHECK(r.err.find("absent.safetensors") != std::string::npos);
+  r = run("perplexity --text " + kText + " --cache kivi@gpu");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("kivi is not a paged cache and has no GPU path") != std::string::npos);
+  r = run("perplexity --text " + kText + " --cache oscar@gpu");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("--cache oscar@gpu needs --plan FILE") != std::string::npos);
   r = run("calibrate --text " + kText);
   CHECK(r.code == 2);
   CHECK(r.err.find("calibrate needs --out FILE") != std::string::npos);
@@ -90,6 +96,19 @@ TEST_CASE("oscar-decode: bad flags, a missing plan and wrong plans give exit 2 a
   r = run("perplexity --text " + kText + " --ctx 8 --cache oscar --plan " + write_plan("kv1.safetensors", 30, 64, 9, 1));
   CHECK(r.code == 2);
   CHECK(r.err.find("num_kv_heads = 1, the model declares 3") != std::string::npos);
+}
+
+TEST_CASE("oscar-decode: an @gpu cache runs on a GPU, or says that there is none") {
+  const Run r = run("perplexity --text " + kText + " --ctx 24 --sink 4 --recent 8 --cache int2-hadamard@gpu");
+  if (r.code == 0) {  // a machine with a GPU: the scripting line, as on the CPU
+    MESSAGE("ran on a GPU: " << r.out.substr(r.out.rfind("perplexity=")));
+    CHECK(std::regex_search(r.out, kScriptLine));
+  } else {  // every CI machine: the failure names the missing device (or the build without CUDA)
+    MESSAGE("no GPU here: " << r.err.substr(0, r.err.find('\n')));
+    CHECK(r.code == 1);
+    CHECK((r.err.find("no CUDA device visible") != std::string::npos ||
+           r.err.find("this build has no CUDA") != std::string::npos));
+  }
 }
 
 TEST_CASE("oscar-decode: calibrate writes a plan that --cache oscar and oscar-fit read") {
