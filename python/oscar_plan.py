@@ -1,0 +1,162 @@
+"""Reads an oscar plan file (docs/fitting.md, section 4) in Python with numpy alone.
+
+A plan is a safetensors file: per layer R_K and R_V (float32 [head_dim, head_dim], row-major,
+k' = k @ R_K, q' = q @ R_K, v' = v @ R_V, o = o' @ R_V.T) and the clip ratios rho_K, rho_V per
+layer, with the model's shape in the metadata. An engine written in Python (vLLM, SGLang, ...)
+can vendor this file to get the rotations it folds into its weights or passes to oscar's
+kernels, and the clip ranks the kernels take, computed exactly as oscar::clip_rank does.
+
+    plan = load_plan("plan.safetensors")
+    plan.k_rotation[layer]          # numpy float32 [head_dim, head_dim]
+    plan.k_clip_rank(layer)         # int, -1 for no clipping
+
+Checks what oscar::io::load_plan checks (format, version, tensor names, dtypes and shapes,
+finite entries, orthogonal rotations, ratios in (0, 1]) and raises PlanError naming the
+problem. `python3 oscar_plan.py PLAN` prints a summary, or the error and exit status 2.
+"""
+
+import json
+import math
+import struct
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT = "oscar-plan"
+FORMAT_VERSION = "1"
+ORTHOGONALITY_TOLERANCE = 1e-4  # max |R R^T - I|, as oscar::io::load_plan
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be used, with the reason."""
+
+
+def clip_rank(rho: float, head_dim: int) -> int:
+    """The rank of the clip threshold among a row's sorted magnitudes, or -1 for no clipping
+    (oscar::clip_rank: min(floor(rho * d), d - 1) in double precision)."""
+    rho = float(np.float32(rho))  # the ratio as the file stores it, widened exactly
+    if not (0.0 < rho < 1.0):
+        return -1
+    return min(int(math.floor(rho * head_dim)), head_dim - 1)
+
+
+@dataclass
+class Plan:
+    metadata: dict
+    k_rotation: np.ndarray  # float32 [num_layers, head_dim, head_dim]
+    v_rotation: np.ndarray
+    k_clip_ratios: np.ndarray  # float32 [num_layers]
+    v_clip_ratios: np.ndarray
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.metadata["num_layers"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.metadata["head_dim"])
+
+    def k_clip_rank(self, layer: int) -> int:
+        return clip_rank(self.k_clip_ratios[layer], self.head_dim)
+
+    def v_clip_rank(self, layer: int) -> int:
+        return clip_rank(self.v_clip_ratios[layer], self.head_dim)
+
+
+def _read_tensors(path: str, data: bytes):
+    if len(data) < 8:
+        raise PlanError(f"{path}: truncated (no header length)")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > len(data) - 8:
+        raise PlanError(f"{path}: truncated (header of {header_len} bytes, file of {len(data)})")
+    try:
+        header = json.loads(data[8:8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanError(f"{path}: corrupted header ({e})") from None
+    if not isinstance(header, dict):
+        raise PlanError(f"{path}: corrupted header (not a JSON object)")
+    metadata = header.pop("__metadata__", {})
+    return header, metadata, data[8 + header_len:]
+
+
+def _tensor(path: str, header: dict, body: bytes, name: str, shape: tuple) -> np.ndarray:
+    info = header.get(name)
+    if info is None:
+        raise PlanError(f"{path}: tensor '{name}' is missing")
+    if info.get("dtype") != "F32":
+        raise PlanError(f"{path}: tensor '{name}' has dtype {info.get('dtype')}, expected F32")
+    if tuple(info.get("shape", ())) != shape:
+        raise PlanError(f"{path}: tensor '{name}' has shape {info.get('shape')}, expected {list(shape)}")
+    begin, end = info.get("data_offsets", (0, -1))
+    if not (0 <= begin <= end <= len(body)) or end - begin != 4 * math.prod(shape):
+        raise PlanError(f"{path}: tensor '{name}' lies outside the file or has the wrong size")
+    values = np.frombuffer(body[begin:end], dtype="<f4").reshape(shape)
+    if not np.all(np.isfinite(values)):
+        raise PlanError(f"{path}: tensor '{name}' has a non-finite entry")
+    return values.astype(np.float32)
+
+
+def load_plan(path: str) -> Plan:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise PlanError(f"{path}: cannot be read ({e.strerror})") from None
+    header, metadata, body = _read_tensors(path, data)
+    if metadata.get("format") != FORMAT:
+        raise PlanError(f"{path}: not an oscar plan (format '{metadata.get('format')}')")
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise PlanError(f"{path}: plan format_version {metadata.get('format_version')} is not supported "
+                        f"(this reader knows {FORMAT_VERSION})")
+    try:
+        layers, d = int(metadata["num_layers"]), int(metadata["head_dim"])
+    except (KeyError, ValueError):
+        raise PlanError(f"{path}: metadata num_layers / head_dim missing or not integers") from None
+    if layers <= 0 or d <= 0:
+        raise PlanError(f"{path}: num_layers {layers} and head_dim {d} must be positive")
+    expected = {f"layers.{l}.{t}_rotation" for l in range(layers) for t in "kv"} | {"k_clip_ratios", "v_clip_ratios"}
+    unexpected = sorted(set(header) - expected)
+    if unexpected:
+        raise PlanError(f"{path}: unexpected tensor '{unexpected[0]}'")
+    rotations = {}
+    for t in "kv":
+        mats = []
+        for l in range(layers):
+            name = f"layers.{l}.{t}_rotation"
+            r = _tensor(path, header, body, name, (d, d))
+            error = np.abs(r.astype(np.float64) @ r.T.astype(np.float64) - np.eye(d)).max()
+            if error > ORTHOGONALITY_TOLERANCE:
+                raise PlanError(f"{path}: {name} is not orthogonal (max |R R^T - I| = {error:.3g})")
+            mats.append(r)
+        rotations[t] = np.stack(mats)
+    ratios = {}
+    for t in "kv":
+        rho = _tensor(path, header, body, f"{t}_clip_ratios", (layers,))
+        if np.any(rho <= 0) or np.any(rho > 1):
+            raise PlanError(f"{path}: {t}_clip_ratios must lie in (0, 1]")
+        ratios[t] = rho
+    return Plan(metadata, rotations["k"], rotations["v"], ratios["k"], ratios["v"])
+
+
+def main(argv) -> int:
+    if len(argv) != 2:
+        print("usage: oscar_plan.py PLAN.safetensors", file=sys.stderr)
+        return 2
+    try:
+        plan = load_plan(argv[1])
+    except PlanError as e:
+        print(f"oscar_plan: {e}", file=sys.stderr)
+        return 2
+    m = plan.metadata
+    print(f"method={m.get('method')} clip_method={m.get('clip_method')} num_layers={plan.num_layers} "
+          f"head_dim={plan.head_dim} num_qo_heads={m.get('num_qo_heads')} num_kv_heads={m.get('num_kv_heads')} "
+          f"model_name={m.get('model_name')}")
+    for l in range(plan.num_layers):
+        print(f"layer {l}: rho_k={plan.k_clip_ratios[l]:.4f} rank_k={plan.k_clip_rank(l)} "
+              f"rho_v={plan.v_clip_ratios[l]:.4f} rank_v={plan.v_clip_rank(l)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

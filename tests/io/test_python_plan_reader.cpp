@@ -1,0 +1,129 @@
+// python/oscar_plan.py, the plan reader for Python engines, against the C++ one: a plan written
+// by oscar::io::save_plan reads back in Python with the same rotations and ratios and the
+// same clip ranks as oscar::clip_rank (ratios on and off the rank boundaries, 1 = no clipping),
+// and the broken files the C++ loader refuses are refused in Python with the problem named
+// (exit 2). Runs Debian's python3 with python3-numpy (scripts/install-deps.sh).
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/command.hpp"
+#include "common/random.hpp"
+#include "oscar/io/plan_file.hpp"
+#include "oscar/io/safetensors.hpp"
+#include "oscar/quant/clip.hpp"
+
+namespace {
+
+const std::filesystem::path kDir = std::filesystem::temp_directory_path() / "oscar_python_plan_reader";
+
+oscar::testing::CommandResult python(const std::string& args) {
+  std::filesystem::create_directories(kDir);
+  return oscar::testing::run_command(std::string(OSCAR_PYTHON3) + " " + OSCAR_PLAN_PY + " " + args, kDir);
+}
+
+// A plan of 4 layers at d = 64 whose ratios sit on and between clip-rank boundaries.
+oscar::io::Plan make_plan() {
+  oscar::io::Plan p;
+  p.method = "oscar";
+  p.head_dim = 64;
+  p.num_layers = 4;
+  p.num_qo_heads = 9;
+  p.num_kv_heads = 3;
+  p.model_name = "synthetic";
+  const float k_ratios[] = {0.96f, 0.875f, 1.0f, 0.5f + 1e-7f};
+  const float v_ratios[] = {0.92f, 0.984375f, 0.015625f, 1.0f};
+  for (int32_t l = 0; l < 4; ++l) {
+    p.layers.push_back({oscar::testing::random_orthogonal(64, 2 * l + 1), oscar::testing::random_orthogonal(64, 2 * l + 2),
+                        k_ratios[l], v_ratios[l]});
+  }
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("the Python plan reader reads what save_plan writes, with oscar::clip_rank's ranks") {
+  const oscar::io::Plan plan = make_plan();
+  const std::string file = (kDir / "plan.safetensors").string();
+  std::filesystem::create_directories(kDir);
+  REQUIRE(oscar::io::save_plan(plan, file).ok());
+  const auto r = python(file);
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  CHECK(r.out.find("method=oscar clip_method=fitted num_layers=4 head_dim=64 num_qo_heads=9 num_kv_heads=3") !=
+        std::string::npos);
+  for (int32_t l = 0; l < 4; ++l) {
+    const auto& layer = plan.layers[size_t(l)];
+    char line[160];
+    std::snprintf(line, sizeof(line), "layer %d: rho_k=%.4f rank_k=%d rho_v=%.4f rank_v=%d", l, layer.k_clip_ratio,
+                  oscar::clip_rank(layer.k_clip_ratio, 64), layer.v_clip_ratio, oscar::clip_rank(layer.v_clip_ratio, 64));
+    CAPTURE(line);
+    CHECK(r.out.find(line) != std::string::npos);
+  }
+  // The rotations: two elements, printed by Python's repr of a float32 (shortest round trip).
+  const std::string check = std::string(OSCAR_PYTHON3) + " -c \"import sys; sys.path.insert(0, '" +
+                            std::filesystem::path(OSCAR_PLAN_PY).parent_path().string() +
+                            "'); import oscar_plan, numpy as np; p = oscar_plan.load_plan('" + file +
+                            "'); print(p.k_rotation[1, 2, 3], p.v_rotation[3, 63, 0], p.k_rotation.shape)\"";
+  const auto values = oscar::testing::run_command(check, kDir);
+  INFO(values.err);
+  REQUIRE(values.code == 0);
+  std::istringstream got(values.out);
+  double a = 0, b = 0;
+  got >> a >> b;
+  CHECK(float(a) == plan.layers[1].k_rotation[2 * 64 + 3]);
+  CHECK(float(b) == plan.layers[3].v_rotation[63 * 64 + 0]);
+  CHECK(values.out.find("(4, 64, 64)") != std::string::npos);
+}
+
+TEST_CASE("the Python plan reader refuses broken plans and names the problem") {
+  std::filesystem::create_directories(kDir);
+  auto write = [](const std::string& name, const std::vector<uint8_t>& bytes) {
+    const std::string path = (kDir / name).string();
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+    return path;
+  };
+  const std::vector<uint8_t> good = *oscar::io::serialize_plan(make_plan());
+  struct Case {
+    std::string name;
+    std::vector<uint8_t> bytes;
+    std::string message;
+  };
+  std::vector<Case> cases = {
+      {"empty.safetensors", {}, "truncated (no header length)"},
+      {"short.safetensors", std::vector<uint8_t>(good.begin(), good.begin() + 100), "truncated (header of"},
+      {"cut.safetensors", std::vector<uint8_t>(good.begin(), good.end() - 4), "lies outside the file"},
+  };
+  // One rotation no longer orthogonal (save_plan refuses to write that: the file is rebuilt).
+  auto file = oscar::io::SafetensorsFile::parse(good);
+  REQUIRE(file.ok());
+  oscar::io::SafetensorsWriter skewed;
+  for (const auto& [k, v] : file->metadata()) skewed.set_metadata(k, v);
+  for (const oscar::io::TensorInfo& t : file->tensors()) {
+    std::vector<uint8_t> bytes = *file->read_bytes(t);
+    if (t.name == "layers.2.v_rotation") {
+      float x;
+      std::memcpy(&x, bytes.data() + 20, 4);
+      x += 0.01f;
+      std::memcpy(bytes.data() + 20, &x, 4);
+    }
+    REQUIRE(skewed.add(t.name, t.dtype, t.shape, bytes).ok());
+  }
+  cases.push_back({"skewed.safetensors", skewed.serialize(), "layers.2.v_rotation is not orthogonal"});
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const auto r = python(write(c.name, c.bytes));
+    CHECK(r.code == 2);
+    CHECK(r.err.find(c.message) != std::string::npos);
+    CHECK(r.out.empty());
+  }
+  const auto missing = python((kDir / "absent.safetensors").string());
+  CHECK(missing.code == 2);
+  CHECK(missing.err.find("cannot be read") != std::string::npos);
+}
