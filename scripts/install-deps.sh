@@ -4,7 +4,9 @@
 set -euo pipefail
 packages=(cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev nlohmann-json3-dev
   # scripts/fidelity-report.sh: the KJV texts (bible-kjv reads bible-kjv-text) and the plots
-  bible-kjv bible-kjv-text python3-matplotlib)
+  bible-kjv bible-kjv-text python3-matplotlib
+  # python/oscar_plan.py (the plan reader for Python engines) and its test
+  python3-numpy)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
