@@ -10,7 +10,7 @@ kernels, and the clip ranks the kernels take, computed exactly as oscar::clip_ra
     plan.k_rotation[layer]          # numpy float32 [head_dim, head_dim]
     plan.k_clip_rank(layer)         # int, -1 for no clipping
 
-Checks what oscar::io::load_plan checks (format, version, tensor names, dtypes and shapes,
+Checks what oscar::io::load_plan checks (format, versions, tensor names, dtypes and shapes,
 finite entries, orthogonal rotations, ratios in (0, 1]) and raises PlanError naming the
 problem. `python3 oscar_plan.py PLAN` prints a summary, or the error and exit status 2.
 """
@@ -25,6 +25,7 @@ import numpy as np
 
 FORMAT = "oscar-plan"
 FORMAT_VERSION = "1"
+INT2_FORMAT_VERSION = "1"  # oscar::kInt2FormatVersion: the code order the rotations were fitted for
 ORTHOGONALITY_TOLERANCE = 1e-4  # max |R R^T - I|, as oscar::io::load_plan
 
 
@@ -109,6 +110,9 @@ def load_plan(path: str) -> Plan:
     if metadata.get("format_version") != FORMAT_VERSION:
         raise PlanError(f"{path}: plan format_version {metadata.get('format_version')} is not supported "
                         f"(this reader knows {FORMAT_VERSION})")
+    if metadata.get("int2_format_version") != INT2_FORMAT_VERSION:
+        raise PlanError(f"{path}: fitted for INT2 format version {metadata.get('int2_format_version')}, "
+                        f"this reader knows {INT2_FORMAT_VERSION}")
     try:
         layers, d = int(metadata["num_layers"]), int(metadata["head_dim"])
     except (KeyError, ValueError):

@@ -1,8 +1,8 @@
 // python/oscar_plan.py, the plan reader for Python engines, against the C++ one: a plan written
 // by oscar::io::save_plan reads back in Python with the same rotations and ratios and the
 // same clip ranks as oscar::clip_rank (ratios on and off the rank boundaries, 1 = no clipping),
-// and the broken files the C++ loader refuses are refused in Python with the problem named
-// (exit 2). Runs Debian's python3 with python3-numpy (scripts/install-deps.sh).
+// and broken files the C++ loader refuses (empty, truncated, cut, a rotation not orthogonal,
+// another INT2 format version) are refused in Python with the problem named (exit 2). Runs Debian's python3 with python3-numpy (scripts/install-deps.sh).
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -100,22 +100,27 @@ TEST_CASE("the Python plan reader refuses broken plans and names the problem") {
       {"short.safetensors", std::vector<uint8_t>(good.begin(), good.begin() + 100), "truncated (header of"},
       {"cut.safetensors", std::vector<uint8_t>(good.begin(), good.end() - 4), "lies outside the file"},
   };
-  // One rotation no longer orthogonal (save_plan refuses to write that: the file is rebuilt).
+  // Files save_plan refuses to write, rebuilt from the good one: one rotation no longer
+  // orthogonal, and a plan fitted for another INT2 code order.
   auto file = oscar::io::SafetensorsFile::parse(good);
   REQUIRE(file.ok());
-  oscar::io::SafetensorsWriter skewed;
-  for (const auto& [k, v] : file->metadata()) skewed.set_metadata(k, v);
-  for (const oscar::io::TensorInfo& t : file->tensors()) {
-    std::vector<uint8_t> bytes = *file->read_bytes(t);
-    if (t.name == "layers.2.v_rotation") {
-      float x;
-      std::memcpy(&x, bytes.data() + 20, 4);
-      x += 0.01f;
-      std::memcpy(bytes.data() + 20, &x, 4);
+  auto rebuilt = [&](bool skew, const char* int2_version) {
+    oscar::io::SafetensorsWriter w;
+    for (const auto& [k, v] : file->metadata()) w.set_metadata(k, k == "int2_format_version" ? int2_version : v);
+    for (const oscar::io::TensorInfo& t : file->tensors()) {
+      std::vector<uint8_t> bytes = *file->read_bytes(t);
+      if (skew && t.name == "layers.2.v_rotation") {
+        float x;
+        std::memcpy(&x, bytes.data() + 20, 4);
+        x += 0.01f;
+        std::memcpy(bytes.data() + 20, &x, 4);
+      }
+      REQUIRE(w.add(t.name, t.dtype, t.shape, bytes).ok());
     }
-    REQUIRE(skewed.add(t.name, t.dtype, t.shape, bytes).ok());
-  }
-  cases.push_back({"skewed.safetensors", skewed.serialize(), "layers.2.v_rotation is not orthogonal"});
+    return w.serialize();
+  };
+  cases.push_back({"skewed.safetensors", rebuilt(true, "1"), "layers.2.v_rotation is not orthogonal"});
+  cases.push_back({"int2v2.safetensors", rebuilt(false, "2"), "fitted for INT2 format version 2"});
   for (const Case& c : cases) {
     CAPTURE(c.name);
     const auto r = python(write(c.name, c.bytes));
