@@ -16,9 +16,8 @@
 namespace oscar::decode {
 namespace {
 
-Status cuda_call(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return Status::Ok();
-  return {StatusCode::kCudaError, std::string("gpu cache: ") + what + ": " + cudaGetErrorString(error)};
+Status cuda_call(cudaError_t error, const std::string& what) {
+  return cuda_status(error, ("gpu cache: " + what).c_str());
 }
 
 // Device memory that grows on demand (its contents are not kept when it grows) and frees itself.
@@ -242,7 +241,7 @@ class GpuKvCache final : public KvCache {
     out_host_.resize(count);
     // (This copy waits for the layer's launches: an error of any of them surfaces here.)
     OSCAR_RETURN_IF_ERROR(cuda_call(cudaMemcpy(out_host_.data(), p.out, count * sizeof(bf16_t), cudaMemcpyDeviceToHost),
-                                    ("layer " + std::to_string(layer) + " kernels").c_str()));
+                                    "layer " + std::to_string(layer) + " kernels"));
     for (size_t i = 0; i < count; ++i) out[i] = bf16_to_float(out_host_[i]);
     return Status::Ok();
   }

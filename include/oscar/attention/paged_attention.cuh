@@ -42,6 +42,7 @@
 #include "oscar/attention/attention_timeline.cuh"
 #include "oscar/attention/extend_attention.cuh"
 #include "oscar/attention/paged_attention_params.hpp"
+#include "oscar/core/cuda_status.hpp"
 #include "oscar/core/status.hpp"
 #include "oscar/kv/paged_kv.hpp"
 
@@ -1096,11 +1097,6 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     p.lse[row] = final_lse[tid] * kLn2;
   }
   timeline_mark(kMarkEnd);
-}
-
-inline Status cuda_status(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return Status::Ok();
-  return {StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(error)};
 }
 
 template <class Launch>

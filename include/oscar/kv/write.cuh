@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <string>
 
+#include "oscar/core/cuda_status.hpp"
 #include "oscar/core/numeric.hpp"
 #include "oscar/core/status.hpp"
 #include "oscar/kv/tile_rotation.cuh"
@@ -760,11 +761,6 @@ __global__ void __launch_bounds__(kRowWarps * 32, kRowMinBlocks) demote_rows_ker
     uint8_t* block = plane.int2.block(d.int2_page, head) + layer * p.pools.int2_stride_layer;
     store_quantized_row<kHeadDim, kGroup, kSelection>(x, plane.clip_k, layout, block, token);
   }
-}
-
-inline Status cuda_status(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return Status::Ok();
-  return {StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(error)};
 }
 
 // Blocks along x for `rows` rows per (layer, K/V) plane: enough resident warps to hide
