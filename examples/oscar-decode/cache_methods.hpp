@@ -50,6 +50,13 @@ inline Result<CacheMethod> parse_cache_method(const std::string& name) {
 
 inline bool needs_plan(CacheMethod m) { return m == CacheMethod::kOscar || m == CacheMethod::kOscarFit; }
 
+// Whether the method is the library's PagedCache (every method but exact and the simulated int4
+// and kivi): what share and the @gpu caches need.
+inline bool is_paged(CacheMethod m) {
+  return m != CacheMethod::kExact && m != CacheMethod::kInt4 && m != CacheMethod::kKivi;
+}
+inline constexpr const char* kPagedMethodList = "bf16, int2-naive, int2-hadamard, oscar, oscar-fit";
+
 // A --cache entry: a method, on the CPU or (suffix @gpu) on the GPU.
 struct CacheSpec {
   CacheSpec(CacheMethod m, bool on_gpu = false) : method(m), gpu(on_gpu) {}  // implicit: a method is a CPU spec
@@ -64,10 +71,9 @@ inline Result<CacheSpec> parse_cache_spec(const std::string& name) {
   const bool gpu = name.size() > suffix && name.compare(name.size() - suffix, suffix, kGpuSuffix) == 0;
   auto method = parse_cache_method(gpu ? name.substr(0, name.size() - suffix) : name);
   if (!method.ok()) return method.status();
-  if (gpu && (*method == CacheMethod::kExact || *method == CacheMethod::kInt4 || *method == CacheMethod::kKivi)) {
+  if (gpu && !is_paged(*method)) {
     return invalid_argument("cache method '" + name + "': " + name.substr(0, name.size() - suffix) +
-                            " is not a paged cache and has no GPU path (the @gpu methods: bf16, int2-naive, "
-                            "int2-hadamard, oscar, oscar-fit)");
+                            " is not a paged cache and has no GPU path (the @gpu methods: " + kPagedMethodList + ")");
   }
   return CacheSpec{*method, gpu};
 }
@@ -109,14 +115,11 @@ inline std::vector<host::LayerQuantizer> hadamard_quantizers(int32_t num_layers,
   return layers;
 }
 
-// The paged-cache configuration a plan must match for this model (one quantization group per row).
-inline host::CacheConfig plan_target(const LlamaConfig& model) { return cache_shape(model); }
-
 // The per-layer quantizers of oscar (fixed ratios) or oscar-fit (the plan's ratios), after
 // checking that the plan was fitted for this model.
 inline Result<std::vector<host::LayerQuantizer>> plan_quantizers(CacheMethod method, const io::Plan& plan,
                                                                  const LlamaConfig& model) {
-  OSCAR_RETURN_IF_ERROR(io::check_plan_matches(plan, plan_target(model)));
+  OSCAR_RETURN_IF_ERROR(io::check_plan_matches(plan, cache_shape(model)));
   std::vector<host::LayerQuantizer> layers = io::to_layer_quantizers(plan);
   if (method == CacheMethod::kOscar) {
     for (auto& l : layers) {

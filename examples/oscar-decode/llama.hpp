@@ -86,7 +86,8 @@ inline Status validate(const LlamaConfig& c) {
 }
 
 // The library's paged cache in this model's shape (layers, heads, head_dim), one quantization
-// group per row; the page geometry is paged_cache_config's.
+// group per row: what a plan must match (io::check_plan_matches); the page geometry is
+// paged_cache_config's.
 inline host::CacheConfig cache_shape(const LlamaConfig& model) {
   host::CacheConfig c;
   c.num_layers = model.num_layers;

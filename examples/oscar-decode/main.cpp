@@ -355,8 +355,7 @@ Result<std::unique_ptr<KvCache>> build_cache(const std::string& name, const Opti
                                              int64_t capacity, const Plans& plans) {
   auto spec = parse_cache_spec(name);
   if (!spec.ok()) return spec.status();
-  const auto method = &spec->method;
-  if (needs_plan(*method) && !plans.plan) {
+  if (needs_plan(spec->method) && !plans.plan) {
     return oscar::invalid_argument("--cache " + name + " needs --plan FILE (write one with 'oscar-decode calibrate')");
   }
   CacheOptions co;
@@ -369,7 +368,7 @@ Result<std::unique_ptr<KvCache>> build_cache(const std::string& name, const Opti
   co.attention_block = static_cast<int32_t>(o.attention_block);
   auto cache = make_cache(*spec, config, co, plans.plan ? &*plans.plan : nullptr);
   if (!cache.ok()) {
-    const std::string where = needs_plan(*method) ? "--cache " + name + " --plan " + o.plan : "--cache " + name;
+    const std::string where = needs_plan(spec->method) ? "--cache " + name + " --plan " + o.plan : "--cache " + name;
     return oscar::Status(cache.status().code(), where + ": " + cache.status().message());
   }
   return cache;
@@ -703,9 +702,7 @@ int run_share(const Options& o, const Model& m, const Plans& plans) {
   if (static_cast<int64_t>(std::max(a.size(), b.size())) + max_new > capacity) return usage_error("prompts exceed --ctx");
   auto method = parse_cache_method(o.cache);
   if (!method.ok()) return usage_error(method.status().message());
-  if (*method == CacheMethod::kExact || *method == CacheMethod::kInt4 || *method == CacheMethod::kKivi) {
-    return usage_error("share needs a paged cache method (bf16, int2-naive, int2-hadamard, oscar, oscar-fit)");
-  }
+  if (!is_paged(*method)) return usage_error(std::string("share needs a paged cache method (") + kPagedMethodList + ")");
   std::vector<oscar::host::LayerQuantizer> layers;
   CacheOptions co{capacity, o.sink_or(0), o.recent_or(0), static_cast<int32_t>(o.page_size)};
   co.reference_attention = o.attention == "reference";
@@ -948,7 +945,7 @@ int main(int argc, char** argv) {
   if (!model.ok()) return fail(model.status());
   if (plans.plan) {
     // A plan of another model is a usage error, named before any work.
-    const Status matches = oscar::io::check_plan_matches(*plans.plan, plan_target(model->weights.config));
+    const Status matches = oscar::io::check_plan_matches(*plans.plan, cache_shape(model->weights.config));
     if (!matches.ok()) return usage_error("--plan '" + o.plan + "': " + matches.message());
   }
   if (o.mode == "generate") return run_generate(o, *model, plans);

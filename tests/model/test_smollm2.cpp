@@ -339,7 +339,7 @@ TEST_CASE("SmolLM2: calibrate gives a valid plan for this model from the streami
   const CalibrationResult& r = small_plan();
   const oscar::io::Plan& plan = r.fit.plan;
   CHECK(oscar::io::validate(plan).ok());
-  CHECK(oscar::io::check_plan_matches(plan, plan_target(model().weights.config)).ok());
+  CHECK(oscar::io::check_plan_matches(plan, cache_shape(model().weights.config)).ok());
   CHECK(plan.method == "oscar");
   CHECK(plan.clip_method == "fitted");
   // Two sequences of 192 tokens, the first 16 positions of each skipped.
