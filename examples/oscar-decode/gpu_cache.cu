@@ -262,8 +262,7 @@ class GpuKvCache final : public KvCache {
         cuda_call(cudaMemcpy(&flag, error_flag_.as<int32_t>(), sizeof(flag), cudaMemcpyDeviceToHost), "error flag"));
     if (flag != 0) {
       const int32_t zero = 0;
-      OSCAR_RETURN_IF_ERROR(cuda_call(cudaMemcpy(error_flag_.as<int32_t>(), &zero, sizeof(zero), cudaMemcpyHostToDevice),
-                                      "error flag reset"));
+      OSCAR_RETURN_IF_ERROR(error_flag_.upload(std::span<const int32_t>(&zero, 1)));  // as create() sets it
       OSCAR_RETURN_IF_ERROR(books_.cancel(plan_));
       length_ -= step_;
       step_ = 0;
