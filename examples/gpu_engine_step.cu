@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "oscar/attention/paged_attention.cuh"
+#include "oscar/host/device_cache_layout.hpp"
 #include "oscar/host/paged_cache.hpp"
 #include "oscar/kv/write.cuh"
 #include "oscar/rotate/hadamard.hpp"
@@ -85,35 +86,25 @@ int main() {
   CHECK_OK(reference.status());
   CHECK_OK(books.status());
 
-  // Device pools, layer-strided, and the per-layer rotations and clip ranks.
-  const Int2Layout layout = config.int2_layout();
-  const size_t int2_layer = size_t(config.num_int2_pages) * heads * layout.block_bytes();
-  const size_t bf16_layer = size_t(config.num_bf16_pages) * heads * config.page_size * d;
+  // Device pools, layer-strided, and the per-layer rotations and clip ranks: the library
+  // sizes them and stacks the arrays (host/device_cache_layout.hpp); the engine allocates and
+  // uploads them, and gets back the view the launchers take.
+  auto arrays = host::device_cache_arrays(config, quantizers);
+  CHECK_OK(arrays.status());
   uint8_t *k_int2, *v_int2;
   bf16_t *k_bf16, *v_bf16;
-  CHECK_CUDA(cudaMalloc(&k_int2, layers * int2_layer));
-  CHECK_CUDA(cudaMalloc(&v_int2, layers * int2_layer));
-  CHECK_CUDA(cudaMalloc(&k_bf16, layers * bf16_layer * sizeof(bf16_t)));
-  CHECK_CUDA(cudaMalloc(&v_bf16, layers * bf16_layer * sizeof(bf16_t)));
-  std::vector<float> rotations;
-  std::vector<int32_t> k_rank, v_rank;
-  for (int l = 0; l < layers; ++l) {
-    rotations.insert(rotations.end(), hadamard.begin(), hadamard.end());
-    k_rank.push_back(clip_rank(quantizers[l].k_clip_ratio, d));
-    v_rank.push_back(clip_rank(quantizers[l].v_clip_ratio, d));
-  }
-  LayeredKvPools pools;
-  pools.k_int2 = Int2PoolRef::packed(k_int2, config.num_int2_pages, heads, layout);
-  pools.v_int2 = Int2PoolRef::packed(v_int2, config.num_int2_pages, heads, layout);
-  pools.k_bf16 = Bf16PoolRef::packed(k_bf16, config.num_bf16_pages, heads, config.page_size, d);
-  pools.v_bf16 = Bf16PoolRef::packed(v_bf16, config.num_bf16_pages, heads, config.page_size, d);
-  pools.int2_stride_layer = int64_t(int2_layer);
-  pools.bf16_stride_layer = int64_t(bf16_layer);
-  pools.num_layers = layers;
-  pools.k_rotation = pools.v_rotation = to_device(rotations);
-  pools.k_clip_rank = to_device(k_rank);
-  pools.v_clip_rank = to_device(v_rank);
-  pools.max_clip_distance = widest_clip_distance(k_rank, v_rank, d);
+  CHECK_CUDA(cudaMalloc(&k_int2, arrays->int2_pool_bytes));
+  CHECK_CUDA(cudaMalloc(&v_int2, arrays->int2_pool_bytes));
+  CHECK_CUDA(cudaMalloc(&k_bf16, arrays->bf16_pool_bytes));
+  CHECK_CUDA(cudaMalloc(&v_bf16, arrays->bf16_pool_bytes));
+  auto layered = host::layered_kv_pools(config, *arrays,
+                                        {k_int2, v_int2, k_bf16, v_bf16, to_device(arrays->k_rotations),
+                                         to_device(arrays->v_rotations), to_device(arrays->k_clip_ranks),
+                                         to_device(arrays->v_clip_ranks)});
+  CHECK_OK(layered.status());
+  const LayeredKvPools pools = *layered;
+  const Int2Layout layout = config.int2_layout();
+  const size_t int2_layer = size_t(arrays->int2_stride_layer), bf16_layer = size_t(arrays->bf16_stride_layer);
   int32_t* error_flag = to_device(std::vector<int32_t>{0});
 
   std::vector<host::RequestId> ids{*books->add_request(), *books->add_request()};

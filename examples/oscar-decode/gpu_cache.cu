@@ -11,7 +11,7 @@
 
 #include "oscar/attention/paged_attention.cuh"
 #include "oscar/kv/write.cuh"
-#include "oscar/quant/clip.hpp"
+#include "oscar/host/device_cache_layout.hpp"
 
 namespace oscar::decode {
 namespace {
@@ -70,27 +70,6 @@ struct DeviceTable {
   }
 };
 
-// The rotations of every layer as one float32 [layers][d][d] array, or empty where no layer
-// rotates. A layer without a rotation among rotated ones gets the identity (x·I is x for
-// every finite x; the methods of oscar-decode rotate every layer or none).
-std::vector<float> stacked_rotations(const std::vector<host::LayerQuantizer>& layers, int32_t d, bool keys) {
-  auto rotation = [&](const host::LayerQuantizer& l) -> const std::vector<float>& {
-    return keys ? l.k_rotation : l.v_rotation;
-  };
-  const bool any = std::any_of(layers.begin(), layers.end(), [&](const auto& l) { return !rotation(l).empty(); });
-  std::vector<float> out;
-  if (!any) return out;
-  for (const auto& l : layers) {
-    if (rotation(l).empty()) {
-      for (int32_t i = 0; i < d; ++i)
-        for (int32_t j = 0; j < d; ++j) out.push_back(i == j ? 1.0f : 0.0f);
-    } else {
-      out.insert(out.end(), rotation(l).begin(), rotation(l).end());
-    }
-  }
-  return out;
-}
-
 class GpuKvCache final : public KvCache {
  public:
   static Result<std::unique_ptr<KvCache>> create(const host::CacheConfig& config, int64_t capacity,
@@ -107,13 +86,10 @@ class GpuKvCache final : public KvCache {
     const Int2Layout layout = config.int2_layout();
     OSCAR_RETURN_IF_ERROR(validate(AttentionShape{config.num_qo_heads, config.num_kv_heads, config.head_dim,
                                                   layout.quant_group_size, config.page_size}));
-    const std::vector<float> k_rotations = stacked_rotations(layers, config.head_dim, true);
-    const std::vector<float> v_rotations = stacked_rotations(layers, config.head_dim, false);
-    std::vector<int32_t> k_ranks, v_ranks;
-    for (const auto& l : layers) {
-      k_ranks.push_back(clip_rank(l.k_clip_ratio, config.head_dim));
-      v_ranks.push_back(clip_rank(l.v_clip_ratio, config.head_dim));
-    }
+    // The pools' sizes, the stacked rotations and the clip ranks (the library's rule: a tensor
+    // no layer rotates gets no rotation at all).
+    auto arrays = host::device_cache_arrays(config, layers);
+    if (!arrays.ok()) return arrays.status();
     host::CacheConfig books_config = config;
     books_config.host_pools = false;  // the books only: the rows live on the device
     auto books = host::PagedCache::create(books_config, std::move(layers));
@@ -121,37 +97,28 @@ class GpuKvCache final : public KvCache {
 
     std::unique_ptr<GpuKvCache> cache(new GpuKvCache(std::move(*books), capacity, *options));
     GpuKvCache& c = *cache;
-    const int32_t heads = config.num_kv_heads, d = config.head_dim;
-    c.int2_layer_bytes_ = int64_t{config.num_int2_pages} * heads * layout.block_bytes();
-    c.bf16_layer_elements_ = int64_t{config.num_bf16_pages} * heads * config.page_size * d;
-    const size_t int2_bytes = size_t(c.int2_layer_bytes_) * config.num_layers;
-    const size_t bf16_bytes = size_t(c.bf16_layer_elements_) * config.num_layers * sizeof(bf16_t);
-    for (auto [buffer, bytes] : {std::pair{&c.k_int2_, int2_bytes}, std::pair{&c.v_int2_, int2_bytes},
-                                 std::pair{&c.k_bf16_, bf16_bytes}, std::pair{&c.v_bf16_, bf16_bytes}}) {
+    c.int2_layer_bytes_ = arrays->int2_stride_layer;
+    c.bf16_layer_elements_ = arrays->bf16_stride_layer;
+    for (auto [buffer, bytes] : {std::pair{&c.k_int2_, arrays->int2_pool_bytes}, std::pair{&c.v_int2_, arrays->int2_pool_bytes},
+                                 std::pair{&c.k_bf16_, arrays->bf16_pool_bytes}, std::pair{&c.v_bf16_, arrays->bf16_pool_bytes}}) {
       OSCAR_RETURN_IF_ERROR(buffer->reserve(bytes));
       OSCAR_RETURN_IF_ERROR(cuda_call(cudaMemset(buffer->as<void>(), 0, bytes), "cudaMemset"));
     }
-    OSCAR_RETURN_IF_ERROR(c.k_rotation_.upload(std::span<const float>(k_rotations)));
-    OSCAR_RETURN_IF_ERROR(c.v_rotation_.upload(std::span<const float>(v_rotations)));
-    OSCAR_RETURN_IF_ERROR(c.k_clip_rank_.upload(std::span<const int32_t>(k_ranks)));
-    OSCAR_RETURN_IF_ERROR(c.v_clip_rank_.upload(std::span<const int32_t>(v_ranks)));
+    OSCAR_RETURN_IF_ERROR(c.k_rotation_.upload(std::span<const float>(arrays->k_rotations)));
+    OSCAR_RETURN_IF_ERROR(c.v_rotation_.upload(std::span<const float>(arrays->v_rotations)));
+    OSCAR_RETURN_IF_ERROR(c.k_clip_rank_.upload(std::span<const int32_t>(arrays->k_clip_ranks)));
+    OSCAR_RETURN_IF_ERROR(c.v_clip_rank_.upload(std::span<const int32_t>(arrays->v_clip_ranks)));
     const int32_t zero = 0;
     OSCAR_RETURN_IF_ERROR(c.error_flag_.upload(std::span<const int32_t>(&zero, 1)));
 
-    LayeredKvPools& p = c.pools_;
-    p.k_int2 = Int2PoolRef::packed(c.k_int2_.as<uint8_t>(), config.num_int2_pages, heads, layout);
-    p.v_int2 = Int2PoolRef::packed(c.v_int2_.as<uint8_t>(), config.num_int2_pages, heads, layout);
-    p.k_bf16 = Bf16PoolRef::packed(c.k_bf16_.as<bf16_t>(), config.num_bf16_pages, heads, config.page_size, d);
-    p.v_bf16 = Bf16PoolRef::packed(c.v_bf16_.as<bf16_t>(), config.num_bf16_pages, heads, config.page_size, d);
-    p.int2_stride_layer = c.int2_layer_bytes_;
-    p.bf16_stride_layer = c.bf16_layer_elements_;
-    p.num_layers = config.num_layers;
-    p.k_rotation = k_rotations.empty() ? nullptr : c.k_rotation_.as<float>();
-    p.v_rotation = v_rotations.empty() ? nullptr : c.v_rotation_.as<float>();
-    p.k_clip_rank = c.k_clip_rank_.as<int32_t>();
-    p.v_clip_rank = c.v_clip_rank_.as<int32_t>();
-    p.max_clip_distance = widest_clip_distance(k_ranks, v_ranks, d);
-    OSCAR_RETURN_IF_ERROR(validate(p));
+    auto pools = host::layered_kv_pools(
+        config, *arrays,
+        {c.k_int2_.as<uint8_t>(), c.v_int2_.as<uint8_t>(), c.k_bf16_.as<bf16_t>(), c.v_bf16_.as<bf16_t>(),
+         arrays->k_rotations.empty() ? nullptr : c.k_rotation_.as<float>(),
+         arrays->v_rotations.empty() ? nullptr : c.v_rotation_.as<float>(), c.k_clip_rank_.as<int32_t>(),
+         c.v_clip_rank_.as<int32_t>()});
+    if (!pools.ok()) return pools.status();
+    c.pools_ = *pools;
 
     auto request = c.books_.add_request();
     if (!request.ok()) return request.status();

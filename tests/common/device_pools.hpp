@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/cuda_check.hpp"
+#include "oscar/host/device_cache_layout.hpp"
 #include "oscar/host/paged_cache.hpp"
 #include "oscar/kv/write_params.hpp"
 
@@ -52,53 +53,31 @@ class DevicePools {
   // allocation: 1 makes them only 2-byte aligned, which the 16-byte-copying kernels refuse and
   // the launchers then route to their element-wise fallbacks.
   explicit DevicePools(const host::PagedCache& cache, size_t bf16_offset = 0)
-      : config_(cache.config()),
-        bf16_offset_(bf16_offset),
-        int2_bytes_(size_t(config_.num_int2_pages) * config_.num_kv_heads * cache.int2_layout().block_bytes()),
-        bf16_elems_(size_t(config_.num_bf16_pages) * config_.num_kv_heads * config_.page_size * config_.head_dim),
-        k_int2_(int2_bytes_ * config_.num_layers),
-        v_int2_(k_int2_.count),
-        k_bf16_(bf16_elems_ * config_.num_layers + bf16_offset),
-        v_bf16_(k_bf16_.count),
-        k_rot_(size_t(config_.num_layers) * config_.head_dim * config_.head_dim),
-        v_rot_(k_rot_.count),
-        k_rank_(config_.num_layers),
-        v_rank_(config_.num_layers) {
-    std::vector<float> k_rot, v_rot;
-    std::vector<int32_t> k_rank, v_rank;
-    bool rotated = true;
-    for (int l = 0; l < config_.num_layers; ++l) {
-      const auto& q = cache.layer_quantizer(l);
-      rotated = rotated && !q.k_rotation.empty() && !q.v_rotation.empty();
-      k_rot.insert(k_rot.end(), q.k_rotation.begin(), q.k_rotation.end());
-      v_rot.insert(v_rot.end(), q.v_rotation.begin(), q.v_rotation.end());
-      k_rank.push_back(clip_rank(q.k_clip_ratio, config_.head_dim));
-      v_rank.push_back(clip_rank(q.v_clip_ratio, config_.head_dim));
-    }
-    if (rotated) {
-      k_rot_.upload(k_rot);
-      v_rot_.upload(v_rot);
-    }
-    k_rank_.upload(k_rank);
-    v_rank_.upload(v_rank);
-    const Int2PoolRef i2 = cache.int2_pool(0, host::PagedCache::Tensor::kKeys);
-    const Bf16PoolRef b16 = cache.bf16_pool(0, host::PagedCache::Tensor::kKeys);
-    view_.k_int2 = i2;
-    view_.k_int2.data = k_int2_.ptr;
-    view_.v_int2 = i2;
-    view_.v_int2.data = v_int2_.ptr;
-    view_.k_bf16 = b16;
-    view_.k_bf16.data = k_bf16_.ptr + bf16_offset_;
-    view_.v_bf16 = b16;
-    view_.v_bf16.data = v_bf16_.ptr + bf16_offset_;
-    view_.int2_stride_layer = static_cast<int64_t>(int2_bytes_);
-    view_.bf16_stride_layer = static_cast<int64_t>(bf16_elems_);
-    view_.num_layers = config_.num_layers;
-    view_.k_rotation = rotated ? k_rot_.ptr : nullptr;
-    view_.v_rotation = rotated ? v_rot_.ptr : nullptr;
-    view_.k_clip_rank = k_rank_.ptr;
-    view_.v_clip_rank = v_rank_.ptr;
-    view_.max_clip_distance = widest_clip_distance(k_rank, v_rank, config_.head_dim);
+      : config_(cache.config()), bf16_offset_(bf16_offset), arrays_(arrays_of(cache)) {
+    int2_bytes_ = size_t(arrays_.int2_stride_layer);
+    bf16_elems_ = size_t(arrays_.bf16_stride_layer);
+    k_int2_ = DeviceArray<uint8_t>(arrays_.int2_pool_bytes);
+    v_int2_ = DeviceArray<uint8_t>(arrays_.int2_pool_bytes);
+    k_bf16_ = DeviceArray<bf16_t>(bf16_elems_ * config_.num_layers + bf16_offset);
+    v_bf16_ = DeviceArray<bf16_t>(k_bf16_.count);
+    k_rot_ = DeviceArray<float>(arrays_.k_rotations.size());
+    v_rot_ = DeviceArray<float>(arrays_.v_rotations.size());
+    k_rank_ = DeviceArray<int32_t>(arrays_.k_clip_ranks.size());
+    v_rank_ = DeviceArray<int32_t>(arrays_.v_clip_ranks.size());
+    k_rot_.upload(arrays_.k_rotations);
+    v_rot_.upload(arrays_.v_rotations);
+    k_rank_.upload(arrays_.k_clip_ranks);
+    v_rank_.upload(arrays_.v_clip_ranks);
+    // The library's view (host/device_cache_layout.hpp), as an engine builds it; the BF16
+    // pools then move by bf16_offset (layered_kv_pools would refuse nothing about that: the
+    // launchers route misaligned pools to their element-wise paths).
+    auto view = host::layered_kv_pools(config_, arrays_,
+                                       {k_int2_.ptr, v_int2_.ptr, k_bf16_.ptr, v_bf16_.ptr, k_rot_.ptr, v_rot_.ptr,
+                                        k_rank_.ptr, v_rank_.ptr});
+    REQUIRE_MESSAGE(view.ok(), view.status().message());
+    view_ = *view;
+    view_.k_bf16.data += bf16_offset_;
+    view_.v_bf16.data += bf16_offset_;
   }
 
   const LayeredKvPools& view() const { return view_; }
@@ -155,9 +134,18 @@ class DevicePools {
     CUDA_REQUIRE(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
   }
 
+  static host::DeviceCacheArrays arrays_of(const host::PagedCache& cache) {
+    std::vector<host::LayerQuantizer> layers;
+    for (int32_t l = 0; l < cache.config().num_layers; ++l) layers.push_back(cache.layer_quantizer(l));
+    auto arrays = host::device_cache_arrays(cache.config(), layers);
+    REQUIRE_MESSAGE(arrays.ok(), arrays.status().message());
+    return std::move(*arrays);
+  }
+
   host::CacheConfig config_;
   size_t bf16_offset_;
-  size_t int2_bytes_, bf16_elems_;
+  host::DeviceCacheArrays arrays_;
+  size_t int2_bytes_ = 0, bf16_elems_ = 0;
   DeviceArray<uint8_t> k_int2_, v_int2_;
   DeviceArray<bf16_t> k_bf16_, v_bf16_;
   DeviceArray<float> k_rot_, v_rot_;

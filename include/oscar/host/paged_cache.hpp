@@ -144,22 +144,54 @@ inline Status validate(const CacheConfig& config) {
   return Status::Ok();
 }
 
+namespace detail {
+
+inline Status check_rotation(const std::vector<float>& r, int32_t d, size_t layer, const char* name) {
+  const std::string what = "layer " + std::to_string(layer) + " " + name;
+  if (r.empty()) return Status::Ok();
+  if (r.size() != static_cast<size_t>(d) * d) {
+    return invalid_argument(what + " has " + std::to_string(r.size()) + " entries, expected " + std::to_string(d) +
+                            "x" + std::to_string(d));
+  }
+  double worst = 0.0;
+  for (int32_t i = 0; i < d; ++i) {
+    for (int32_t j = 0; j < d; ++j) {
+      double dot = 0.0;
+      for (int32_t k = 0; k < d; ++k) dot += double{r[i * d + k]} * r[j * d + k];
+      worst = std::max(worst, std::abs(dot - (i == j ? 1.0 : 0.0)));
+    }
+  }
+  if (!(worst <= 1e-4)) {
+    return invalid_argument(what + " is not orthogonal: max |R·Rᵀ - I| = " + std::to_string(worst));
+  }
+  return Status::Ok();
+}
+
+}  // namespace detail
+
+// One quantizer per layer, each rotation empty or an orthogonal head_dim x head_dim matrix,
+// finite clip ratios: what PagedCache::create and the device layout (device_cache_layout.hpp)
+// accept.
+inline Status validate_layer_quantizers(const CacheConfig& config, std::span<const LayerQuantizer> layers) {
+  if (static_cast<int64_t>(layers.size()) != config.num_layers) {
+    return invalid_argument("got " + std::to_string(layers.size()) + " layer quantizers for num_layers = " +
+                            std::to_string(config.num_layers));
+  }
+  for (size_t l = 0; l < layers.size(); ++l) {
+    OSCAR_RETURN_IF_ERROR(detail::check_rotation(layers[l].k_rotation, config.head_dim, l, "k_rotation"));
+    OSCAR_RETURN_IF_ERROR(detail::check_rotation(layers[l].v_rotation, config.head_dim, l, "v_rotation"));
+    if (!std::isfinite(layers[l].k_clip_ratio) || !std::isfinite(layers[l].v_clip_ratio)) {
+      return invalid_argument("layer " + std::to_string(l) + ": clip ratio is not finite");
+    }
+  }
+  return Status::Ok();
+}
+
 class PagedCache {
  public:
   static Result<PagedCache> create(const CacheConfig& config, std::vector<LayerQuantizer> layers) {
     OSCAR_RETURN_IF_ERROR(validate(config));
-    if (static_cast<int32_t>(layers.size()) != config.num_layers) {
-      return invalid_argument("got " + std::to_string(layers.size()) +
-                              " layer quantizers for num_layers = " +
-                              std::to_string(config.num_layers));
-    }
-    for (size_t l = 0; l < layers.size(); ++l) {
-      OSCAR_RETURN_IF_ERROR(check_rotation(layers[l].k_rotation, config.head_dim, l, "k_rotation"));
-      OSCAR_RETURN_IF_ERROR(check_rotation(layers[l].v_rotation, config.head_dim, l, "v_rotation"));
-      if (!std::isfinite(layers[l].k_clip_ratio) || !std::isfinite(layers[l].v_clip_ratio)) {
-        return invalid_argument("layer " + std::to_string(l) + ": clip ratio is not finite");
-      }
-    }
+    OSCAR_RETURN_IF_ERROR(validate_layer_quantizers(config, layers));
     PagedCache cache;
     cache.config_ = config;
     cache.layout_ = config.int2_layout();
@@ -551,28 +583,6 @@ class PagedCache {
   PagedCache& operator=(const PagedCache&) = delete;
 
  private:
-
-  static Status check_rotation(const std::vector<float>& r, int32_t d, size_t layer,
-                               const char* name) {
-    const std::string what = "layer " + std::to_string(layer) + " " + name;
-    if (r.empty()) return Status::Ok();
-    if (r.size() != static_cast<size_t>(d) * d) {
-      return invalid_argument(what + " has " + std::to_string(r.size()) + " entries, expected " +
-                              std::to_string(d) + "x" + std::to_string(d));
-    }
-    double worst = 0.0;
-    for (int32_t i = 0; i < d; ++i) {
-      for (int32_t j = 0; j < d; ++j) {
-        double dot = 0.0;
-        for (int32_t k = 0; k < d; ++k) dot += double{r[i * d + k]} * r[j * d + k];
-        worst = std::max(worst, std::abs(dot - (i == j ? 1.0 : 0.0)));
-      }
-    }
-    if (!(worst <= 1e-4)) {
-      return invalid_argument(what + " is not orthogonal: max |R·Rᵀ - I| = " + std::to_string(worst));
-    }
-    return Status::Ok();
-  }
 
   Status require_no_plan(const char* call) const {
     if (open_plan_ != 0) {
