@@ -150,57 +150,53 @@ inline Result<std::unique_ptr<KvCache>> make_quantized_cache(const LlamaConfig& 
   return std::unique_ptr<KvCache>(std::move(*cache));
 }
 
+// The settings a paged method runs with: bf16 keeps every token BF16 (a sink as long as the
+// context, no window, so no INT2 page is ever written); the others as given.
+inline CacheOptions paged_options(CacheMethod method, CacheOptions options) {
+  if (method == CacheMethod::kBf16) {
+    options.sink_tokens = static_cast<int32_t>(options.capacity);
+    options.recent_tokens = 0;
+  }
+  return options;
+}
+
+// The layers' quantizers of a paged method (is_paged): none for bf16 and int2-naive, the
+// normalized Hadamard for int2-hadamard, the plan's for oscar and oscar-fit (which need it).
+inline Result<std::vector<host::LayerQuantizer>> paged_quantizers(CacheMethod method, const LlamaConfig& model,
+                                                                  const io::Plan* plan) {
+  switch (method) {
+    case CacheMethod::kBf16:
+    case CacheMethod::kInt2Naive:
+      return identity_quantizers(model.num_layers);
+    case CacheMethod::kInt2Hadamard:
+      return hadamard_quantizers(model.num_layers, model.head_dim);
+    case CacheMethod::kOscar:
+    case CacheMethod::kOscarFit:
+      if (!plan) return failed_precondition("needs a plan file (--plan FILE, written by oscar-decode calibrate or oscar-fit)");
+      return plan_quantizers(method, *plan, model);
+    default:
+      return invalid_argument("not a paged cache method (" + std::string(kPagedMethodList) + ")");
+  }
+}
+
 // Builds the cache of `spec`. `plan` is needed by oscar and oscar-fit and ignored otherwise.
 inline Result<std::unique_ptr<KvCache>> make_cache(CacheSpec spec, const LlamaConfig& model,
                                                    const CacheOptions& options, const io::Plan* plan = nullptr) {
   const CacheMethod method = spec.method;
-  const bool gpu = spec.gpu;
   switch (method) {
     case CacheMethod::kExact:
       return std::unique_ptr<KvCache>(new ExactKvCache(model, options.capacity));
-    case CacheMethod::kBf16: {
-      CacheOptions bf16 = options;
-      // A sink longer than the context keeps every token BF16 (no INT2 page is ever written).
-      bf16.sink_tokens = static_cast<int32_t>(options.capacity);
-      bf16.recent_tokens = 0;
-      return make_quantized_cache(model, bf16, identity_quantizers(model.num_layers), gpu);
-    }
     case CacheMethod::kInt4:
     case CacheMethod::kKivi:
       if (options.page_size <= 0) return invalid_argument("--page-size must be positive");
       return std::unique_ptr<KvCache>(new SimulatedKvCache(
           model, options.capacity, options.sink_tokens, options.recent_tokens, options.page_size,
           method == CacheMethod::kInt4 ? SimulatedFormat::kInt4 : SimulatedFormat::kKivi));
-    case CacheMethod::kInt2Naive:
-      return make_quantized_cache(model, options, identity_quantizers(model.num_layers), gpu);
-    case CacheMethod::kInt2Hadamard:
-      return make_quantized_cache(model, options, hadamard_quantizers(model.num_layers, model.head_dim), gpu);
-    case CacheMethod::kOscar:
-    case CacheMethod::kOscarFit: {
-      if (!plan) return failed_precondition("needs a plan file (--plan FILE, written by oscar-decode calibrate or oscar-fit)");
-      auto layers = plan_quantizers(method, *plan, model);
+    default: {
+      auto layers = paged_quantizers(method, model, plan);
       if (!layers.ok()) return layers.status();
-      return make_quantized_cache(model, options, std::move(*layers), gpu);
+      return make_quantized_cache(model, paged_options(method, options), std::move(*layers), spec.gpu);
     }
-  }
-  return invalid_argument("unknown cache method");
-}
-
-// The LayerQuantizer a method uses in `layer` (empty rotation = identity). For the fidelity
-// evaluator; int4/kivi/bf16/exact have none.
-inline Result<host::LayerQuantizer> layer_quantizer(CacheMethod method, const LlamaConfig& model, int32_t layer,
-                                                    const io::Plan* plan) {
-  switch (method) {
-    case CacheMethod::kInt2Naive: return host::LayerQuantizer{};
-    case CacheMethod::kInt2Hadamard: return hadamard_quantizers(1, model.head_dim)[0];
-    case CacheMethod::kOscar:
-    case CacheMethod::kOscarFit: {
-      if (!plan) return failed_precondition("needs a plan file");
-      auto layers = plan_quantizers(method, *plan, model);
-      if (!layers.ok()) return layers.status();
-      return (*layers)[static_cast<size_t>(layer)];
-    }
-    default: return invalid_argument("this method has no INT2 layer quantizer");
   }
 }
 

@@ -703,25 +703,15 @@ int run_share(const Options& o, const Model& m, const Plans& plans) {
   auto method = parse_cache_method(o.cache);
   if (!method.ok()) return usage_error(method.status().message());
   if (!is_paged(*method)) return usage_error(std::string("share needs a paged cache method (") + kPagedMethodList + ")");
-  std::vector<oscar::host::LayerQuantizer> layers;
+  if (needs_plan(*method) && !plans.plan) return usage_error("--cache " + o.cache + " needs --plan FILE");
   CacheOptions co{capacity, o.sink_or(0), o.recent_or(0), static_cast<int32_t>(o.page_size)};
   co.reference_attention = o.attention == "reference";
   co.attention_threads = static_cast<int32_t>(o.threads);
   co.attention_block = static_cast<int32_t>(o.attention_block);
-  if (*method == CacheMethod::kBf16) {
-    co.sink_tokens = static_cast<int32_t>(capacity);
-    co.recent_tokens = 0;
-  }
-  if (*method == CacheMethod::kInt2Hadamard) layers = hadamard_quantizers(c.num_layers, c.head_dim);
-  else if (needs_plan(*method)) {
-    if (!plans.plan) return usage_error("--cache " + o.cache + " needs --plan FILE");
-    auto q = plan_quantizers(*method, *plans.plan, c);
-    if (!q.ok()) return usage_error("--plan " + o.plan + ": " + q.status().message());
-    layers = std::move(*q);
-  } else {
-    layers = identity_quantizers(c.num_layers);
-  }
-  auto cache = PagedKvCache::create(c, capacity, co.sink_tokens, co.recent_tokens, co.page_size, std::move(layers), 2);
+  co = paged_options(*method, co);
+  auto layers = paged_quantizers(*method, c, plans.plan ? &*plans.plan : nullptr);
+  if (!layers.ok()) return usage_error("--plan " + o.plan + ": " + layers.status().message());
+  auto cache = PagedKvCache::create(c, capacity, co.sink_tokens, co.recent_tokens, co.page_size, std::move(*layers), 2);
   if (!cache.ok()) return fail(cache.status());
   PagedKvCache& kv = **cache;
   kv.set_attention(attention_options(co));
@@ -802,10 +792,10 @@ int run_fidelity(const Options& o, const Model& m, const Plans& plans) {
     if (!method.ok()) return usage_error("--methods: " + method.status().message());
     if (*method == CacheMethod::kExact) return usage_error("--methods: exact is the reference, not a method");
     if (needs_plan(*method) && !plans.plan) return usage_error("--methods " + name + " needs --plan FILE");
-    std::vector<oscar::host::LayerQuantizer> per_layer(static_cast<size_t>(c.num_layers));
-    if (*method == CacheMethod::kInt2Hadamard) per_layer = hadamard_quantizers(c.num_layers, c.head_dim);
-    if (needs_plan(*method)) {
-      auto q = plan_quantizers(*method, *plans.plan, c);
+    // int4 and kivi rotate nothing; the paged methods as their caches do.
+    std::vector<oscar::host::LayerQuantizer> per_layer = identity_quantizers(c.num_layers);
+    if (is_paged(*method)) {
+      auto q = paged_quantizers(*method, c, plans.plan ? &*plans.plan : nullptr);
       if (!q.ok()) return usage_error("--plan " + o.plan + ": " + q.status().message());
       per_layer = std::move(*q);
     }
