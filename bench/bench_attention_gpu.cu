@@ -326,6 +326,16 @@ int main(int argc, char** argv) {
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
+  // The same speculative-verification steps for a batch of 16 requests (each 32K cached, its
+  // last Q tokens the queries): the prefix then takes the copy bandwidth to read, so these show
+  // what verifying Q drafted tokens costs against a decode step of the same batch
+  // (int2/hq32_hkv8_d128/B16/L32768/page16), where the B = 1 shapes are latency-bound.
+  for (int queries : {2, 4, 8}) {
+    const std::string name = "extend/hq32_hkv8_d128/B16/L32768/Q" + std::to_string(queries);
+    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, 16, true, queries)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
