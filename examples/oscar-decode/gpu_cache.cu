@@ -97,8 +97,6 @@ class GpuKvCache final : public KvCache {
 
     std::unique_ptr<GpuKvCache> cache(new GpuKvCache(std::move(*books), capacity, *options));
     GpuKvCache& c = *cache;
-    c.int2_layer_bytes_ = arrays->int2_stride_layer;
-    c.bf16_layer_elements_ = arrays->bf16_stride_layer;
     for (auto [buffer, bytes] : {std::pair{&c.k_int2_, arrays->int2_pool_bytes}, std::pair{&c.v_int2_, arrays->int2_pool_bytes},
                                  std::pair{&c.k_bf16_, arrays->bf16_pool_bytes}, std::pair{&c.v_bf16_, arrays->bf16_pool_bytes}}) {
       OSCAR_RETURN_IF_ERROR(buffer->reserve(bytes));
@@ -285,10 +283,10 @@ class GpuKvCache final : public KvCache {
   LayeredKvPools layer_pools(int32_t layer) const {
     const int32_t d = books_.config().head_dim;
     LayeredKvPools p = pools_;
-    p.k_int2.data += layer * int2_layer_bytes_;
-    p.v_int2.data += layer * int2_layer_bytes_;
-    p.k_bf16.data += layer * bf16_layer_elements_;
-    p.v_bf16.data += layer * bf16_layer_elements_;
+    p.k_int2.data += layer * p.int2_stride_layer;
+    p.v_int2.data += layer * p.int2_stride_layer;
+    p.k_bf16.data += layer * p.bf16_stride_layer;
+    p.v_bf16.data += layer * p.bf16_stride_layer;
     p.num_layers = 1;
     if (p.k_rotation) p.k_rotation += size_t(layer) * d * d;
     if (p.v_rotation) p.v_rotation += size_t(layer) * d * d;
@@ -306,7 +304,6 @@ class GpuKvCache final : public KvCache {
   AttentionPlan attention_plan_;
   int64_t length_ = 0;
   int32_t step_ = 0;
-  int64_t int2_layer_bytes_ = 0, bf16_layer_elements_ = 0;
   LayeredKvPools pools_;
   DeviceBuffer k_int2_, v_int2_, k_bf16_, v_bf16_;       // every layer, layer-strided
   DeviceBuffer k_rotation_, v_rotation_, k_clip_rank_, v_clip_rank_, error_flag_;

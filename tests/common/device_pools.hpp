@@ -54,11 +54,9 @@ class DevicePools {
   // the launchers then route to their element-wise fallbacks.
   explicit DevicePools(const host::PagedCache& cache, size_t bf16_offset = 0)
       : config_(cache.config()), bf16_offset_(bf16_offset), arrays_(arrays_of(cache)) {
-    int2_bytes_ = size_t(arrays_.int2_stride_layer);
-    bf16_elems_ = size_t(arrays_.bf16_stride_layer);
     k_int2_ = DeviceArray<uint8_t>(arrays_.int2_pool_bytes);
     v_int2_ = DeviceArray<uint8_t>(arrays_.int2_pool_bytes);
-    k_bf16_ = DeviceArray<bf16_t>(bf16_elems_ * config_.num_layers + bf16_offset);
+    k_bf16_ = DeviceArray<bf16_t>(bf16_elems() * config_.num_layers + bf16_offset);
     v_bf16_ = DeviceArray<bf16_t>(k_bf16_.count);
     k_rot_ = DeviceArray<float>(arrays_.k_rotations.size());
     v_rot_ = DeviceArray<float>(arrays_.v_rotations.size());
@@ -88,12 +86,12 @@ class DevicePools {
   // Host pools -> device (every layer).
   void upload(const host::PagedCache& cache) {
     for (int l = 0; l < config_.num_layers; ++l) {
-      copy(k_int2_.ptr + l * int2_bytes_, cache.int2_pool(l, host::PagedCache::Tensor::kKeys).data, int2_bytes_);
-      copy(v_int2_.ptr + l * int2_bytes_, cache.int2_pool(l, host::PagedCache::Tensor::kValues).data, int2_bytes_);
-      copy(k_bf16_.ptr + bf16_offset_ + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kKeys).data,
-           bf16_elems_ * 2);
-      copy(v_bf16_.ptr + bf16_offset_ + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kValues).data,
-           bf16_elems_ * 2);
+      copy(k_int2_.ptr + l * int2_bytes(), cache.int2_pool(l, host::PagedCache::Tensor::kKeys).data, int2_bytes());
+      copy(v_int2_.ptr + l * int2_bytes(), cache.int2_pool(l, host::PagedCache::Tensor::kValues).data, int2_bytes());
+      copy(k_bf16_.ptr + bf16_offset_ + l * bf16_elems(), cache.bf16_pool(l, host::PagedCache::Tensor::kKeys).data,
+           bf16_elems() * 2);
+      copy(v_bf16_.ptr + bf16_offset_ + l * bf16_elems(), cache.bf16_pool(l, host::PagedCache::Tensor::kValues).data,
+           bf16_elems() * 2);
     }
   }
 
@@ -108,12 +106,12 @@ class DevicePools {
       for (size_t i = 0; i < bytes; ++i) differences += x[i] != y[i];
     };
     for (int l = 0; l < config_.num_layers; ++l) {
-      diff(k_int2.data() + l * int2_bytes_, cache.int2_pool(l, host::PagedCache::Tensor::kKeys).data, int2_bytes_);
-      diff(v_int2.data() + l * int2_bytes_, cache.int2_pool(l, host::PagedCache::Tensor::kValues).data, int2_bytes_);
-      diff(k_bf16.data() + bf16_offset_ + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kKeys).data,
-           bf16_elems_ * 2);
-      diff(v_bf16.data() + bf16_offset_ + l * bf16_elems_, cache.bf16_pool(l, host::PagedCache::Tensor::kValues).data,
-           bf16_elems_ * 2);
+      diff(k_int2.data() + l * int2_bytes(), cache.int2_pool(l, host::PagedCache::Tensor::kKeys).data, int2_bytes());
+      diff(v_int2.data() + l * int2_bytes(), cache.int2_pool(l, host::PagedCache::Tensor::kValues).data, int2_bytes());
+      diff(k_bf16.data() + bf16_offset_ + l * bf16_elems(), cache.bf16_pool(l, host::PagedCache::Tensor::kKeys).data,
+           bf16_elems() * 2);
+      diff(v_bf16.data() + bf16_offset_ + l * bf16_elems(), cache.bf16_pool(l, host::PagedCache::Tensor::kValues).data,
+           bf16_elems() * 2);
     }
     return differences;
   }
@@ -135,17 +133,18 @@ class DevicePools {
   }
 
   static host::DeviceCacheArrays arrays_of(const host::PagedCache& cache) {
-    std::vector<host::LayerQuantizer> layers;
-    for (int32_t l = 0; l < cache.config().num_layers; ++l) layers.push_back(cache.layer_quantizer(l));
-    auto arrays = host::device_cache_arrays(cache.config(), layers);
+    auto arrays = host::device_cache_arrays(cache.config(), cache.layer_quantizers());
     REQUIRE_MESSAGE(arrays.ok(), arrays.status().message());
     return std::move(*arrays);
   }
 
+  // One layer of one pool: INT2 bytes, BF16 elements (the view's layer strides).
+  size_t int2_bytes() const { return size_t(arrays_.int2_stride_layer); }
+  size_t bf16_elems() const { return size_t(arrays_.bf16_stride_layer); }
+
   host::CacheConfig config_;
   size_t bf16_offset_;
   host::DeviceCacheArrays arrays_;
-  size_t int2_bytes_ = 0, bf16_elems_ = 0;
   DeviceArray<uint8_t> k_int2_, v_int2_;
   DeviceArray<bf16_t> k_bf16_, v_bf16_;
   DeviceArray<float> k_rot_, v_rot_;

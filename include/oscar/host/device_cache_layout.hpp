@@ -88,8 +88,8 @@ inline Result<DeviceCacheArrays> device_cache_arrays(const CacheConfig& config, 
   OSCAR_RETURN_IF_ERROR(validate_layer_quantizers(config, layers));
   const int32_t d = config.head_dim;
   DeviceCacheArrays a;
-  a.int2_stride_layer = int64_t{config.num_int2_pages} * config.num_kv_heads * config.int2_layout().block_bytes();
-  a.bf16_stride_layer = int64_t{config.num_bf16_pages} * config.num_kv_heads * config.page_size * d;
+  a.int2_stride_layer = config.int2_pool_layer_bytes();
+  a.bf16_stride_layer = config.bf16_pool_layer_elements();
   a.int2_pool_bytes = size_t(a.int2_stride_layer) * size_t(config.num_layers);
   a.bf16_pool_bytes = size_t(a.bf16_stride_layer) * size_t(config.num_layers) * sizeof(bf16_t);
   a.k_rotations = detail::stacked_rotations(layers, d, true);
@@ -119,8 +119,8 @@ inline Result<LayeredKvPools> layered_kv_pools(const CacheConfig& config, const 
   OSCAR_RETURN_IF_ERROR(rotation_pointer(arrays.v_rotations, b.v_rotations, "v_rotations"));
   const int32_t heads = config.num_kv_heads;
   const Int2Layout layout = config.int2_layout();
-  if (arrays.int2_stride_layer != int64_t{config.num_int2_pages} * heads * layout.block_bytes() ||
-      arrays.bf16_stride_layer != int64_t{config.num_bf16_pages} * heads * config.page_size * config.head_dim ||
+  if (arrays.int2_stride_layer != config.int2_pool_layer_bytes() ||
+      arrays.bf16_stride_layer != config.bf16_pool_layer_elements() ||
       static_cast<int32_t>(arrays.k_clip_ranks.size()) != config.num_layers) {
     return invalid_argument("device cache: the arrays were sized for another config");
   }

@@ -61,6 +61,13 @@ struct CacheConfig {
     return quant_group_size == 0 ? head_dim : quant_group_size;
   }
   Int2Layout int2_layout() const { return {head_dim, effective_quant_group_size(), page_size}; }
+  // One layer of one INT2 pool (K or V), packed [page][kv_head][block]: bytes; of one BF16 pool,
+  // [page][kv_head][slot][head_dim]: elements. The CPU cache's pools and the device pools an
+  // engine allocates (device_cache_layout.hpp) are these sizes.
+  int64_t int2_pool_layer_bytes() const {
+    return int64_t{num_int2_pages} * num_kv_heads * int2_layout().block_bytes();
+  }
+  int64_t bf16_pool_layer_elements() const { return int64_t{num_bf16_pages} * num_kv_heads * page_size * head_dim; }
 };
 
 // What OSCAR fits offline for one layer. An empty rotation is the identity.
@@ -199,12 +206,9 @@ class PagedCache {
     cache.int2_pages_ = PageAllocator(config.num_int2_pages);
     cache.bf16_pages_ = PageAllocator(config.num_bf16_pages);
     cache.sequences_.resize(config.max_requests);
-    const size_t int2_bytes = config.host_pools ? static_cast<size_t>(config.num_int2_pages) * config.num_kv_heads *
-                                                      cache.layout_.block_bytes()
-                                                : 0;
-    const size_t bf16_bytes = config.host_pools ? static_cast<size_t>(config.num_bf16_pages) * config.num_kv_heads *
-                                                      config.page_size * config.head_dim * sizeof(bf16_t)
-                                                : 0;
+    const size_t int2_bytes = config.host_pools ? static_cast<size_t>(config.int2_pool_layer_bytes()) : 0;
+    const size_t bf16_bytes =
+        config.host_pools ? static_cast<size_t>(config.bf16_pool_layer_elements()) * sizeof(bf16_t) : 0;
     for (int32_t l = 0; l < config.num_layers; ++l) {
       LayerPools pools{AlignedBuffer(int2_bytes), AlignedBuffer(int2_bytes),
                        AlignedBuffer(bf16_bytes), AlignedBuffer(bf16_bytes)};
@@ -223,6 +227,7 @@ class PagedCache {
   const CacheConfig& config() const { return config_; }
   const Int2Layout& int2_layout() const { return layout_; }
   const LayerQuantizer& layer_quantizer(int32_t layer) const { return layers_[layer]; }
+  std::span<const LayerQuantizer> layer_quantizers() const { return layers_; }
 
   // ---- requests -------------------------------------------------------------------------
 
