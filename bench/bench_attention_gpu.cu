@@ -50,7 +50,7 @@ struct Problem {
   std::vector<void*> allocations;
 
   Problem(int batch, int64_t length, int hq, int hkv, int d, int page, bool int2, int sink, int recent,
-          int queries = 0) {
+          int queries = 0, bool paired = true) {
     shape = {hq, hkv, d, d, page};
     std::mt19937_64 rng(7);
     std::vector<SegmentCounts> lengths(batch, int2 ? segment_counts(length, sink, recent, page)
@@ -169,6 +169,7 @@ struct Problem {
     if (const int bps = env_int("OSCAR_BENCH_BLOCKS_PER_SM", 0); bps > 0) {
       options.target_blocks_per_sm = bps;
       options.target_extend_blocks_per_sm = bps;
+      options.target_paired_blocks_per_sm = bps;
     }
     // OSCAR_BENCH_MIN_CHUNK_KB overrides the shortest chunk (to tune it).
     if (const int kb = env_int("OSCAR_BENCH_MIN_CHUNK_KB", 0); kb > 0) options.min_chunk_bytes = int64_t{kb} * 1024;
@@ -179,13 +180,16 @@ struct Problem {
     } else if (rt == 2) {
       options.row_tiled_min_rows = 0;
     }
+    options.paired_column_tiles = paired;
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
       std::exit(1);
     }
     plan = std::move(made).value();
-    blocks_per_sm = plan.row_tiled() ? options.target_extend_blocks_per_sm : options.target_blocks_per_sm;
+    blocks_per_sm = plan.row_tiled()      ? options.target_extend_blocks_per_sm
+                    : plan.paired_tiles() ? options.target_paired_blocks_per_sm
+                                          : options.target_blocks_per_sm;
     check(cudaMalloc(&workspace, plan.workspace_bytes()), "workspace");
     allocations.push_back(workspace);
     const Status up = upload_attention_plan(plan, workspace, plan.workspace_bytes());
@@ -263,13 +267,14 @@ void print_timeline(const char* what, int blocks) {
 #endif
 
 void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, int hkv, int d, int page, bool int2,
-                  int queries) {
-  Problem problem(batch, length, hq, hkv, d, page, int2, 64, 256, queries);
+                  int queries, bool paired) {
+  Problem problem(batch, length, hq, hkv, d, page, int2, 64, 256, queries, paired);
   oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
   const double gbps = state.counters["GB/s"];
   if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
   state.counters["items"] = double(problem.plan.items.size());
   state.counters["blocks/SM"] = double(problem.blocks_per_sm);
+  state.counters["columns/tile"] = double(problem.plan.tile_columns);
   if (problem.plan.row_tiled()) {
     // Whether the row-tiled path's extend and merge kernels start as programmatic dependents.
     bool pdl = false;
@@ -305,7 +310,7 @@ int main(int argc, char** argv) {
         const std::string name = std::string(int2 ? "int2" : "bf16") + "/hq" + std::to_string(h.hq) + "_hkv" +
                                  std::to_string(h.hkv) + "_d" + std::to_string(h.d) + "/B" + std::to_string(c.batch) +
                                  "/L" + std::to_string(c.length) + "/page16";
-        benchmark::RegisterBenchmark(name.c_str(), BM_Attention, c.batch, c.length, h.hq, h.hkv, h.d, 16, int2, 0)
+        benchmark::RegisterBenchmark(name.c_str(), BM_Attention, c.batch, c.length, h.hq, h.hkv, h.d, 16, int2, 0, true)
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
       }
@@ -313,26 +318,46 @@ int main(int argc, char** argv) {
   }
   for (int page : {8, 64, 256}) {
     const std::string name = "int2/hq32_hkv8_d128/B16/L32768/page" + std::to_string(page);
-    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, page, true, 0)
+    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, page, true, 0, true)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
   // Extend (chunked prefill / speculative verification): Q new tokens over a 32K quantized
   // prefix. Target: within 1.5x of the time to read the prefix (%copy >= 67). Q = 4 is a
   // speculative verification step (16 rows at g = 4); Q >= 16 fills 64-row tiles.
+  // Q = 4 and 8 (16 and 32 rows) run paired column tiles; their "extend_single" rows, single ones.
   for (int queries : {4, 8, 16, 64, 256}) {
-    const std::string name = "extend/hq32_hkv8_d128/B1/L32768/Q" + std::to_string(queries);
-    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 1, int64_t{32768}, 32, 8, 128, 16, true, queries)
-        ->UseManualTime()
-        ->Unit(benchmark::kMicrosecond);
+    for (const bool paired : {true, false}) {
+      if (!paired && queries * 4 > kAttentionRowTiledMinRows) continue;  // row tiles either way
+      const std::string name =
+          std::string(paired ? "extend" : "extend_single") + "/hq32_hkv8_d128/B1/L32768/Q" + std::to_string(queries);
+      benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 1, int64_t{32768}, 32, 8, 128, 16, true, queries,
+                                   paired)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
   }
   // The same speculative-verification steps for a batch of 16 requests (each 32K cached, its
   // last Q tokens the queries): the prefix then takes the copy bandwidth to read, so these show
   // what verifying Q drafted tokens costs against a decode step of the same batch
   // (int2/hq32_hkv8_d128/B16/L32768/page16), where the B = 1 shapes are latency-bound.
+  // The "single" rows run the same plans with paired_column_tiles off (each 8-column tile its
+  // own pass over the keys), the A/B of the paired tiles in one run.
   for (int queries : {2, 4, 8}) {
-    const std::string name = "extend/hq32_hkv8_d128/B16/L32768/Q" + std::to_string(queries);
-    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, 16, true, queries)
+    for (const bool paired : {true, false}) {
+      if (!paired && queries * 4 <= kAttentionTileColumns) continue;  // one tile: nothing to pair
+      const std::string name =
+          std::string(paired ? "extend" : "extend_single") + "/hq32_hkv8_d128/B16/L32768/Q" + std::to_string(queries);
+      benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, 16, true, queries,
+                                   paired)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
+  }
+  // The headline d = 64 shape (g = 3) verifying 4 drafted tokens: 12 rows per KV head.
+  for (const bool paired : {true, false}) {
+    const std::string name = std::string(paired ? "extend" : "extend_single") + "/hq9_hkv3_d64/B16/L32768/Q4";
+    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 9, 3, 64, 16, true, 4, paired)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }

@@ -54,6 +54,7 @@ TEST_CASE("chunks cover every tile once, in order") {
   auto plan = make_attention_plan(headline(), lengths);
   REQUIRE(plan.ok());
   CHECK(plan->decode);
+  CHECK(plan->tile_columns == kAttentionTileColumns);  // a decode step is one tile per KV head
   check_cover(*plan, lengths, {});
   CHECK(plan->num_counters >= 1);  // the 32K request is split
   CHECK(plan->workspace_bytes() >= plan->items.size() * sizeof(AttentionWorkItem));
@@ -63,8 +64,26 @@ TEST_CASE("chunks cover every tile once, in order") {
   REQUIRE(extend.ok());
   CHECK(!extend->decode);
   check_cover(*extend, lengths, queries);
-  CHECK(!extend->row_tiled());  // 28 rows at most: the decode kernel's column tiles
+  CHECK(!extend->row_tiled());  // 28 rows at most: the decode kernel's column tiles, two per pass
+  CHECK(extend->paired_tiles());
+  CHECK(extend->tile_columns == kAttentionPairedTileColumns);
   CHECK(extend->rotated_q_bytes() == 0);
+  CHECK(extend->partial_o_bytes() >= extend->items.size() * 8 * size_t{kAttentionPairedTileColumns} * 128 * sizeof(float));
+  CHECK(extend->partial_lse_bytes() >= extend->items.size() * 8 * size_t{kAttentionPairedTileColumns} * sizeof(float));
+
+  // At most 8 rows in every request: one tile holds them, so no pairing (its second tile would
+  // be empty everywhere); with the option off, single tiles whatever the rows.
+  const std::vector<int32_t> two = {1, 2, 1, 2};
+  auto few = make_attention_plan(headline(), lengths, two);
+  REQUIRE(few.ok());
+  CHECK(few->tile_columns == kAttentionTileColumns);
+  check_cover(*few, lengths, two);
+  AttentionPlanOptions unpaired;
+  unpaired.paired_column_tiles = false;
+  auto single = make_attention_plan(headline(), lengths, queries, unpaired);
+  REQUIRE(single.ok());
+  CHECK(single->tile_columns == kAttentionTileColumns);
+  check_cover(*single, lengths, queries);
 
   // 80 rows in one request: the row-tiled kernel's 64-row tiles (two for that request, one for
   // each other), no arrival counters, and room for the rotated queries (27 tokens x 32 heads).
@@ -93,13 +112,38 @@ TEST_CASE("chunks cover every tile once, in order") {
   auto d256 = make_attention_plan(wide, lengths, many);
   REQUIRE(d256.ok());
   CHECK(!d256->row_tiled());
+  CHECK(d256->tile_columns == kAttentionTileColumns);  // no paired tiles above d = 128 either
   check_cover(*d256, lengths, many);
   AttentionPlanOptions columns;
   columns.row_tiled_min_rows = INT32_MAX;
   auto off = make_attention_plan(headline(), lengths, many, columns);
   REQUIRE(off.ok());
-  CHECK(off->tile_columns == kAttentionTileColumns);
+  CHECK(off->tile_columns == kAttentionPairedTileColumns);
   check_cover(*off, lengths, many);
+  columns.paired_column_tiles = false;
+  auto off_single = make_attention_plan(headline(), lengths, many, columns);
+  REQUIRE(off_single.ok());
+  CHECK(off_single->tile_columns == kAttentionTileColumns);
+  check_cover(*off_single, lengths, many);
+}
+
+TEST_CASE("paired-tile plans size their chunks for the paired kernel's occupancy") {
+  // Sixteen requests of 32K verifying 4 drafted tokens each (16 rows per KV head): the chunk
+  // count follows target_paired_blocks_per_sm, not the decode kernel's target.
+  const std::vector<SegmentCounts> lengths(16, SegmentCounts{64, 32768 - 320, 256});
+  const std::vector<int32_t> queries(16, 4);
+  AttentionPlanOptions few_paired, many_paired;
+  few_paired.target_blocks_per_sm = many_paired.target_paired_blocks_per_sm = 4;
+  few_paired.target_paired_blocks_per_sm = many_paired.target_blocks_per_sm = 1;
+  auto a = make_attention_plan(headline(), lengths, queries, few_paired);
+  auto b = make_attention_plan(headline(), lengths, queries, many_paired);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(a->paired_tiles());
+  CHECK(b->paired_tiles());
+  CHECK(b->items.size() > a->items.size());
+  check_cover(*a, lengths, queries);
+  check_cover(*b, lengths, queries);
 }
 
 TEST_CASE("chunks are sized in bytes: an INT2 chunk holds ~7x the tokens of a BF16 chunk") {

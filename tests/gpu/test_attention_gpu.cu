@@ -329,9 +329,51 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     many.target_blocks_per_sm = 64;
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = many}));
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = many, .replays = 2, .via_graph = true}));
-    AttentionPlanOptions columns = many;
+    AttentionPlanOptions columns = many;  // the column kernel: paired 8-column tiles (d <= 128)
     columns.row_tiled_min_rows = INT32_MAX;
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = columns}));
+    AttentionPlanOptions single = columns;  // each 8-column tile its own pass
+    single.paired_column_tiles = false;
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = single}));
+  }
+}
+
+TEST_CASE("speculative verification: a few queries per request, two column tiles per pass") {
+  // 2-4 new tokens per request, 6-40 rows per KV head: the default plan pairs two 8-column
+  // tiles in one pass over the keys at d <= 128 (a request of 8 rows or fewer computes an empty
+  // second tile); d = 256 keeps single tiles. Both against the reference, kernel- and
+  // engine-rotated q, many chunks (the last block merges 16-column partial states), and the
+  // same batch on single tiles.
+  for (const Shape& s : {Shape{128, 32, 8, 16, 16, 32}, Shape{64, 9, 3, 8, 4, 16}, Shape{128, 16, 2, 32, 0, 16},
+                         Shape{64, 8, 8, 16, 0, 0}, Shape{256, 8, 2, 16, 16, 32}}) {
+    CAPTURE(s.d);
+    CAPTURE(s.hq);
+    CAPTURE(s.hkv);
+    PagedCache cache = make_cache(config_for(s, 1400, 3), true, 61);
+    RowGenerator keys(62, s.d), values(63, s.d), qgen(64, s.d);
+    auto ids = fill(cache, {700, 9, 1100}, 65);
+    const std::vector<int32_t> n_new = {4, 2, 3};
+    for (size_t b = 0; b < ids.size(); ++b) append_in_chunks(cache, ids[b], n_new[b], {n_new[b]}, keys, values);
+    const int g = s.hq / s.hkv;
+    auto tables = cache.page_tables(ids);
+    REQUIRE(tables.ok());
+    const AttentionShape shape{s.hq, s.hkv, s.d, s.d, s.page};
+    auto plan = make_attention_plan(shape, segment_lengths(*tables), n_new);
+    REQUIRE(plan.ok());
+    CHECK(plan->tile_columns == (4 * g > kAttentionTileColumns && s.d <= kAttentionPairedTilesMaxHeadDim
+                                     ? kAttentionPairedTileColumns
+                                     : kAttentionTileColumns));
+    check(run_and_compare(cache, ids, n_new, qgen));
+    check(run_and_compare(cache, ids, n_new, qgen, {.kernel_rotates = false}));
+    AttentionPlanOptions many;
+    many.min_chunk_bytes = 1;
+    many.target_paired_blocks_per_sm = 64;
+    many.target_blocks_per_sm = 64;
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = many}));
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = many, .replays = 2, .via_graph = true}));
+    AttentionPlanOptions single = many;
+    single.paired_column_tiles = false;
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = single}));
   }
 }
 
@@ -478,8 +520,11 @@ TEST_CASE("plan options for the device: its SM count and the kernel's resident b
     CHECK(options->target_blocks_per_sm <= 8);  // 8 warps per block, 64 warps per SM
     CHECK(options->target_extend_blocks_per_sm >= 1);
     CHECK(options->target_extend_blocks_per_sm <= 16);  // 4 warps per block
+    CHECK(options->target_paired_blocks_per_sm >= 1);
+    CHECK(options->target_paired_blocks_per_sm <= options->target_blocks_per_sm);  // more registers per block
     MESSAGE("head_dim " << d << ": " << options->target_blocks_per_sm << " resident blocks per SM, extend "
-                        << options->target_extend_blocks_per_sm);
+                        << options->target_extend_blocks_per_sm << ", paired tiles "
+                        << options->target_paired_blocks_per_sm);
   }
   CHECK(attention_plan_options_for_device(96).status().code() == StatusCode::kUnsupported);
 }

@@ -123,7 +123,7 @@ using Errors = AttentionErrors;
 // model's own queries: those of each request's newest `queries[b]` tokens (decode: 1).
 Errors attend(const Fixture& f, const PagedCache& cache, int layer, const std::vector<RequestId>& ids,
               const std::vector<int64_t>& lengths, const std::vector<int32_t>& query_tokens,
-              int32_t row_tiled_min_rows = kAttentionRowTiledMinRows) {
+              int32_t row_tiled_min_rows = kAttentionRowTiledMinRows, bool paired_column_tiles = true) {
   const CacheConfig& c = cache.config();
   const int d = c.head_dim;
   const bool decode = query_tokens.empty();
@@ -154,6 +154,7 @@ Errors attend(const Fixture& f, const PagedCache& cache, int layer, const std::v
   AttentionPlanOptions options;
   options.min_chunk_bytes = 4096;  // split these ~1K-token requests into several chunks
   options.row_tiled_min_rows = row_tiled_min_rows;
+  options.paired_column_tiles = paired_column_tiles;
   auto plan = make_attention_plan(shape, segment_lengths(*tables), query_tokens, options);
   REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
   DeviceArray<uint8_t> workspace(std::max<size_t>(plan->workspace_bytes(), 256));
@@ -206,8 +207,12 @@ TEST_CASE("real SmolLM2 activations: device pages are the reference's, attention
     CAPTURE(kLayers[li]);
     const Errors dec = attend(f, cache, li, ids, lengths, {});
     check_attention_errors(dec);
-    const Errors ext = attend(f, cache, li, ids, lengths, {8, 3});  // 24 rows: the column kernel
+    // 24 rows: the column kernel, its two 8-column tiles paired in one pass (the default) and
+    // each in its own.
+    const Errors ext = attend(f, cache, li, ids, lengths, {8, 3});
     check_attention_errors(ext);
+    const Errors ext_single = attend(f, cache, li, ids, lengths, {8, 3}, kAttentionRowTiledMinRows, false);
+    check_attention_errors(ext_single);
     // The row-tiled extend kernel: the same short extend forced onto row tiles (one 16-row
     // group, warps splitting the tiles), and 40 tokens (120 rows, two 64-row tiles) by default.
     const Errors ext_rows = attend(f, cache, li, ids, lengths, {8, 3}, 8);
@@ -215,8 +220,8 @@ TEST_CASE("real SmolLM2 activations: device pages are the reference's, attention
     const Errors ext_long = attend(f, cache, li, ids, lengths, {40, 3});
     check_attention_errors(ext_long);
     MESSAGE("layer " << kLayers[li] << ": decode worst " << dec.worst << " mean " << dec.mean << ", extend worst "
-                     << ext.worst << " mean " << ext.mean << ", row-tiled extend worst " << ext_rows.worst << " / "
-                     << ext_long.worst);
+                     << ext.worst << " mean " << ext.mean << " (single tiles " << ext_single.worst
+                     << "), row-tiled extend worst " << ext_rows.worst << " / " << ext_long.worst);
   }
 }
 

@@ -29,6 +29,13 @@ inline constexpr int kAttentionTileTokens = 16;
 // One column tile: this many (query token, query head) columns share one pass over the keys
 // (the N dimension of one MMA). A decode step of a GQA group of up to 8 heads is one tile.
 inline constexpr int kAttentionTileColumns = 8;
+// Extend plans whose requests have more rows per KV head than one tile holds (9 up to the
+// row-tiled threshold: speculative verification of 3-12 drafted tokens at g = 4) carry two
+// column tiles through each pass over the keys, at head dims up to
+// kAttentionPairedTilesMaxHeadDim: the two share every INT2 tile's copies and unpack, where
+// two single-tile passes each paid for them (AttentionPlanOptions::paired_column_tiles).
+inline constexpr int kAttentionPairedTileColumns = 2 * kAttentionTileColumns;
+inline constexpr int kAttentionPairedTilesMaxHeadDim = 128;
 // Extend plans where some request has more than AttentionPlanOptions::row_tiled_min_rows rows
 // (rows = query tokens x GQA group; default kAttentionRowTiledMinRows) run the row-tiled
 // extend kernel instead: 64 rows per block, queries in the MMA's M dimension, so a block reads
@@ -67,6 +74,14 @@ struct AttentionPlanOptions {
   // target_blocks_per_sm for row-tiled extend plans (a different kernel, with its own
   // occupancy). 0: kDefaultTargetBlocksPerSm.
   int32_t target_extend_blocks_per_sm = 0;
+  // Extend plans of up to row_tiled_min_rows rows per request and KV head, some request above
+  // one 8-column tile, run with kAttentionPairedTileColumns per tile (false: 8-column tiles,
+  // each its own pass over the keys). Every request of such a plan then gets 16-column tiles,
+  // so a request of 8 rows or fewer in it computes an empty second tile.
+  bool paired_column_tiles = true;
+  // target_blocks_per_sm for paired-tile plans (more registers per block). 0:
+  // kDefaultTargetBlocksPerSm.
+  int32_t target_paired_blocks_per_sm = 0;
 };
 
 inline constexpr int32_t kDefaultTargetBlocksPerSm = 2;
@@ -96,11 +111,13 @@ struct AttentionPlan {
   std::vector<AttentionWorkItem> items;
   int32_t num_counters = 0;  // (request, column tile) pairs split into more than one chunk
   // Columns (query token, query head of the KV head) per tile: kAttentionTileColumns for the
-  // decode kernel, kAttentionRowTile for the row-tiled extend kernel.
+  // decode kernel, kAttentionPairedTileColumns for its paired-tile extends, kAttentionRowTile
+  // for the row-tiled extend kernel.
   int32_t tile_columns = kAttentionTileColumns;
   int64_t num_query_tokens = 0;  // over the batch
 
   bool row_tiled() const { return tile_columns == kAttentionRowTile; }
+  bool paired_tiles() const { return tile_columns == kAttentionPairedTileColumns; }
 
   // Workspace layout (device, 256-byte aligned parts): work items, arrival counters, partial
   // outputs [items][kv_heads][tile_columns][head_dim] float, partial lse
@@ -229,6 +246,9 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   }
   if (!plan.decode && shape.head_dim <= kAttentionRowTiledMaxHeadDim && max_rows > options.row_tiled_min_rows) {
     plan.tile_columns = kAttentionRowTile;
+  } else if (!plan.decode && options.paired_column_tiles && shape.head_dim <= kAttentionPairedTilesMaxHeadDim &&
+             max_rows > kAttentionTileColumns) {
+    plan.tile_columns = kAttentionPairedTileColumns;
   }
   for (size_t b = 0; b < segments.size(); ++b) {
     const SegmentCounts& s = segments[b];
@@ -254,7 +274,9 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
     total_bytes += request_bytes[b] * column_tiles[b];
   }
 
-  const int32_t target = plan.row_tiled() ? options.target_extend_blocks_per_sm : options.target_blocks_per_sm;
+  const int32_t target = plan.row_tiled()      ? options.target_extend_blocks_per_sm
+                         : plan.paired_tiles() ? options.target_paired_blocks_per_sm
+                                               : options.target_blocks_per_sm;
   const int64_t blocks_per_sm = target > 0 ? target : kDefaultTargetBlocksPerSm;
   const int64_t target_items = std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
   const int64_t chunk_bytes = std::max(options.min_chunk_bytes, (total_bytes + target_items - 1) / target_items);

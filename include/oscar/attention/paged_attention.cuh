@@ -54,8 +54,13 @@ namespace attention_detail {
 // unpack -> MMA -> softmax chain, so smaller blocks that fit more often win where registers
 // allow (H200, docs/benchmarks.md). OSCAR_ATTENTION_WARPS / OSCAR_ATTENTION_MIN_BLOCKS_PER_SM
 // override both for every head dim (measurement knobs).
-template <int D>
+// NT: the 8-column tiles a block carries through one pass over the keys (1 for decode; 2 for
+// extends of 9-48 rows per KV head, whose two tiles then share each staged INT2 tile's copies,
+// shared loads and unpack: attention_plan.hpp). Two tiles hold twice o and q's fragments, so
+// fewer blocks fit per SM.
+template <int D, int NT = 1>
 struct KernelConfig {
+  static_assert(NT == 1 || (NT == 2 && D <= 128), "two column tiles per pass at head dims up to 128");
 #ifdef OSCAR_ATTENTION_WARPS
   static constexpr int kWarps = OSCAR_ATTENTION_WARPS;
 #else
@@ -65,7 +70,7 @@ struct KernelConfig {
   static constexpr int kMinBlocks = OSCAR_ATTENTION_MIN_BLOCKS_PER_SM;
 #else
   // d = 64: 128 registers, no spills; d = 128: 168 registers; d = 256 needs all 255.
-  static constexpr int kMinBlocks = D == 64 ? 4 : (D == 128 ? 3 : 1);
+  static constexpr int kMinBlocks = NT == 2 ? (D == 64 ? 3 : 2) : (D == 64 ? 4 : (D == 128 ? 3 : 1));
 #endif
   static constexpr int kThreads = kWarps * 32;
   static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps per block");
@@ -381,20 +386,25 @@ OSCAR_DEVICE void read_int2_tile(Int2TileRaw<D>& raw, const Int2ReadLane& lane_a
   }
 }
 
-// The scores' MMAs of one loaded INT2 tile: acc[2·half + i] = Σ_c q'·c of key row r + 8·half
-// and column 2j + i, in log2 units before the tile's scale and offset (int2_tile_finish).
-template <int D>
-OSCAR_DEVICE void int2_key_scores(float (&acc)[4], const KeyQueryFragments<D>& qf, const float (&key_bias)[2],
-                                  const Int2TileRaw<D>& raw) {
+// The scores' MMAs of one loaded INT2 tile: acc[n][2·half + i] = Σ_c q'·c of key row r + 8·half
+// and column 8n + 2j + i, in log2 units before the tile's scale and offset (int2_tile_finish).
+// Each k-step's codes are unpacked once for the NT column tiles.
+template <int D, int NT>
+OSCAR_DEVICE void int2_key_scores(float (&acc)[NT][4], const KeyQueryFragments<D> (&qf)[NT],
+                                  const float (&key_bias)[NT][2], const Int2TileRaw<D>& raw) {
   constexpr int kKWords = Int2TileRaw<D>::kKWords;
   const auto& kw = raw.kw;
   // Two accumulators, even and odd k-steps: a single one makes the D/16 MMAs one dependent
   // chain (~30 cycles each), which two resident warps per scheduler cannot hide. The codes
   // enter as 1024 + 4^k·c against q·4^-k, so acc starts at -1024·Σq' of its column
   // (key_bias) to leave exactly Σ q·c.
-  acc[0] = acc[2] = key_bias[0];
-  acc[1] = acc[3] = key_bias[1];
-  float acc_odd[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc_odd[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    acc[n][0] = acc[n][2] = key_bias[n][0];
+    acc[n][1] = acc[n][3] = key_bias[n][1];
+    acc_odd[n][0] = acc_odd[n][1] = acc_odd[n][2] = acc_odd[n][3] = 0.f;
+  }
 #pragma unroll
   for (int wi = 0; wi < kKWords; ++wi) {
     const uint32_t lo0 = kw[0][wi], lo1 = kw[1][wi];
@@ -403,25 +413,28 @@ OSCAR_DEVICE void int2_key_scores(float (&acc)[4], const KeyQueryFragments<D>& q
   {                                                                                                 \
     const uint32_t a[4] = {unpack_field_biased<K>(lo0), unpack_field_biased<K>(lo1),                \
                            unpack_field_biased<K>(hi0), unpack_field_biased<K>(hi1)};               \
-    const uint2 b = qf.get(wi * 4 + K);                                                             \
-    mma_f16(ACC, a, b.x, b.y);                                                                      \
+    _Pragma("unroll") for (int n = 0; n < NT; ++n) {                                                \
+      const uint2 b = qf[n].get(wi * 4 + K);                                                        \
+      mma_f16(ACC[n], a, b.x, b.y);                                                                 \
+    }                                                                                               \
   }
     OSCAR_KSTEP(0, acc) OSCAR_KSTEP(1, acc_odd) OSCAR_KSTEP(2, acc) OSCAR_KSTEP(3, acc_odd)
 #undef OSCAR_KSTEP
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) acc[e] += acc_odd[e];
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] += acc_odd[n][e];
+  }
 }
 
-// Softmax and values of one loaded INT2 tile whose key scores' MMAs are in acc (kMayMask:
-// softmax_step's).
-template <int D, bool kMayMask>
-OSCAR_DEVICE void int2_tile_finish(WarpState<D>& st, const float (&acc)[4], const float (&qsum)[2],
-                                   const Int2TileRaw<D>& raw, TileContext& tc, int lane) {
+// Softmax and values of one loaded INT2 tile whose key scores' MMAs are in acc, for each of the
+// NT column tiles (kMayMask: softmax_step's). The value codes are unpacked once for all of them.
+template <int D, int NT, bool kMayMask>
+OSCAR_DEVICE void int2_tile_finish(WarpState<D> (&st)[NT], const float (&acc)[NT][4], const float (&qsum)[NT][2],
+                                   const Int2TileRaw<D>& raw, TileContext (&tc)[NT], int lane) {
   constexpr int kUnits = D / 64;  // 16-bit value units per lane per token
   const int r = lane / 4;
-  tc.valid = raw.valid;
-  tc.key_position0 = raw.key_position0;
   const auto& vw = raw.vw;
   const uint32_t* kmeta = raw.kmeta;
   const uint32_t* vmeta = raw.vmeta;
@@ -435,20 +448,26 @@ OSCAR_DEVICE void int2_tile_finish(WarpState<D>& st, const float (&acc)[4], cons
     sv[half] = vm.x;
     ov[half] = vm.y;
   }
-  float s[2][2];
+  uint32_t b0[NT], b1[NT];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+  for (int n = 0; n < NT; ++n) {
+    tc[n].valid = raw.valid;
+    tc[n].key_position0 = raw.key_position0;
+    float s[2][2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) s[half][i] = acc[2 * half + i] * sk[half] + ok[half] * qsum[i];  // q carries scale2
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) s[half][i] = acc[n][2 * half + i] * sk[half] + ok[half] * qsum[n][i];  // q carries scale2
+    }
+    softmax_step<D, kMayMask>(st[n], s, tc[n], r);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      // Masked keys have p = 0 and metadata 0, so they add nothing (no 0·NaN from unread data).
+      st[n].offset[i] += s[0][i] * ov[0] + s[1][i] * ov[1];
+    }
+    b0[n] = transpose8x8(pack_half2(s[0][0] * sv[0], s[0][1] * sv[0]));
+    b1[n] = transpose8x8(pack_half2(s[1][0] * sv[1], s[1][1] * sv[1]));
   }
-  softmax_step<D, kMayMask>(st, s, tc, r);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    // Masked keys have p = 0 and metadata 0, so they add nothing (no 0·NaN from unread data).
-    st.offset[i] += s[0][i] * ov[0] + s[1][i] * ov[1];
-  }
-  const uint32_t b0 = transpose8x8(pack_half2(s[0][0] * sv[0], s[0][1] * sv[0]));
-  const uint32_t b1 = transpose8x8(pack_half2(s[1][0] * sv[1], s[1][1] * sv[1]));
 
   // Values: token pairs (2j, 2j+1) and (2j+8, 2j+9) interleaved into one register per unit.
 #pragma unroll
@@ -458,37 +477,39 @@ OSCAR_DEVICE void int2_tile_finish(WarpState<D>& st, const float (&acc)[4], cons
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
-      mma_f16(st.o[u * 4 + q], a, b0, b1);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) mma_f16(st[n].o[u * 4 + q], a, b0[n], b1[n]);
     }
   }
 }
 
-// Scores, softmax and values of one loaded INT2 tile.
-template <int D, bool kMayMask>
-OSCAR_DEVICE void int2_tile(WarpState<D>& st, const KeyQueryFragments<D>& qf, const float (&qsum)[2],
-                            const float (&key_bias)[2], const Int2TileRaw<D>& raw, TileContext& tc, int lane) {
-  float acc[4];
-  int2_key_scores<D>(acc, qf, key_bias, raw);
-  int2_tile_finish<D, kMayMask>(st, acc, qsum, raw, tc, lane);
+// Scores, softmax and values of one loaded INT2 tile, for the NT column tiles.
+template <int D, int NT, bool kMayMask>
+OSCAR_DEVICE void int2_tile(WarpState<D> (&st)[NT], const KeyQueryFragments<D> (&qf)[NT], const float (&qsum)[NT][2],
+                            const float (&key_bias)[NT][2], const Int2TileRaw<D>& raw, TileContext (&tc)[NT],
+                            int lane) {
+  float acc[NT][4];
+  int2_key_scores<D, NT>(acc, qf, key_bias, raw);
+  int2_tile_finish<D, NT, kMayMask>(st, acc, qsum, raw, tc, lane);
 }
 
-// One BF16 tile (sink, window, or a BF16 cache) for one warp. qb holds this lane's bf16
-// fragments of q: [k-step] {hi b0b1, hi b2b3, lo b0b1, lo b2b3}. subnormal_units: the block
-// also reads INT2 values, whose accumulators are in value_field_unit units, so these values
-// are scaled to them (exact powers of two).
-template <int D>
-OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef& kpool, const Bf16PoolRef& vpool,
-                            int32_t head, const TileHalves& th, const TileContext& tc, float scale2,
+// One BF16 tile (sink, window, or a BF16 cache) for one warp and its NT column tiles. qb holds
+// this lane's bf16 fragments of q: [column tile][k-step][lane] {hi b0b1, hi b2b3, lo b0b1, lo
+// b2b3}, at qb[(n·D/16 + s)·32]. subnormal_units: the block also reads INT2 values, whose
+// accumulators are in value_field_unit units, so these values are scaled to them (exact powers
+// of two). The tile's keys and values are loaded once for the NT column tiles.
+template <int D, int NT>
+OSCAR_DEVICE void bf16_tile(WarpState<D> (&st)[NT], const uint4* qb, const Bf16PoolRef& kpool, const Bf16PoolRef& vpool,
+                            int32_t head, const TileHalves& th, const TileContext (&tc)[NT], float scale2,
                             bool subnormal_units, int lane) {
   constexpr int kVWords = D / 64;  // words per load of D/32 channels
   const int r = lane / 4;
   const int j = lane % 4;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  float acc_lo[4] = {0.f, 0.f, 0.f, 0.f};
+  const int valid = tc[0].valid;
   uint4 krow[2][D / 32];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const bool ok = th.present[half] && r + 8 * half < tc.valid;
+    const bool ok = th.present[half] && r + 8 * half < valid;
     const bf16_t* row = kpool.row(th.page[half], head, th.slot[half] + r);
 #pragma unroll
     for (int blk = 0; blk < D / 32; ++blk) {
@@ -497,24 +518,30 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
   }
   // Values: channels value_channel(r, ·) of tokens 2j, 2j+1, 2j+8, 2j+9.
   uint32_t vw[4][4][kVWords];
-  load_bf16_values<D>(vpool, head, th, tc.valid, lane, vw);
+  load_bf16_values<D>(vpool, head, th, valid, lane, vw);
+  uint32_t b0[NT], b1[NT];
 #pragma unroll
-  for (int s = 0; s < D / 16; ++s) {
-    const uint4 r0 = krow[0][s / 2], r1 = krow[1][s / 2];
-    const uint32_t a[4] = {s % 2 ? r0.z : r0.x, s % 2 ? r1.z : r1.x, s % 2 ? r0.w : r0.y, s % 2 ? r1.w : r1.y};
-    const uint4 q = qb[s * 32];
-    mma_bf16(acc, a, q.x, q.y);     // q's bf16 high parts
-    mma_bf16(acc_lo, a, q.z, q.w);  // and its low parts: a second, independent MMA chain
+  for (int n = 0; n < NT; ++n) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc_lo[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {
+      const uint4 r0 = krow[0][s / 2], r1 = krow[1][s / 2];
+      const uint32_t a[4] = {s % 2 ? r0.z : r0.x, s % 2 ? r1.z : r1.x, s % 2 ? r0.w : r0.y, s % 2 ? r1.w : r1.y};
+      const uint4 q = qb[(n * (D / 16) + s) * 32];
+      mma_bf16(acc, a, q.x, q.y);     // q's bf16 high parts
+      mma_bf16(acc_lo, a, q.z, q.w);  // and its low parts: a second, independent MMA chain
+    }
+    float sc[2][2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) sc[half][i] = (acc[2 * half + i] + acc_lo[2 * half + i]) * scale2;
+    }
+    softmax_step<D>(st[n], sc, tc[n], r);
+    b0[n] = transpose8x8(pack_bf16x2(sc[0][0], sc[0][1]));
+    b1[n] = transpose8x8(pack_bf16x2(sc[1][0], sc[1][1]));
   }
-  float sc[2][2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) sc[half][i] = (acc[2 * half + i] + acc_lo[2 * half + i]) * scale2;
-  }
-  softmax_step<D>(st, sc, tc, r);
-  const uint32_t b0 = transpose8x8(pack_bf16x2(sc[0][0], sc[0][1]));
-  const uint32_t b1 = transpose8x8(pack_bf16x2(sc[1][0], sc[1][1]));
 #pragma unroll
   for (int wi = 0; wi < kVWords; ++wi) {
     uint32_t c01[8], c89[8];
@@ -530,27 +557,29 @@ OSCAR_DEVICE void bf16_tile(WarpState<D>& st, const uint4* qb, const Bf16PoolRef
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const uint32_t a[4] = {c01[2 * q], c01[2 * q + 1], c89[2 * q], c89[2 * q + 1]};
-      mma_bf16(st.o[wi * 4 + q], a, b0, b1);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) mma_bf16(st[n].o[wi * 4 + q], a, b0[n], b1[n]);
     }
   }
 }
 
-// Calls f<NC>() with NC = kCols / 2 when the block's valid columns fit (4 of 8 at a GQA group of
-// 4, the headline shape), else kCols: the rotations then only work on columns that exist.
-template <class F>
+// Calls f<NC>() with NC = C / 2 when the block's valid columns fit (4 of 8 at a GQA group of
+// 4, the headline shape), else C (the block's C = 8·NT columns): the rotations then only work
+// on columns that exist.
+template <int C, class F>
 OSCAR_DEVICE void with_column_count(int valid_cols, F&& f) {
-  if (valid_cols <= kCols / 2) {
-    f.template operator()<kCols / 2>();
+  if (valid_cols <= C / 2) {
+    f.template operator()<C / 2>();
   } else {
-    f.template operator()<kCols>();
+    f.template operator()<C>();
   }
 }
 
-// q_rot[c] = q_in[c]·R (rows [kCols][D] float in shared memory) for columns c < NC; the other
+// q_rot[c] = q_in[c]·R (rows [C][D] float in shared memory) for columns c < NC; the other
 // columns of q_rot are zeroed, as q_in's are. Thread i owns channel i of every column: four
 // rows of R per step and q read as float4 (one shared load per column and 4 channels), ~11
 // instructions per channel instead of ~27 with a load per product.
-template <int D, int NC, int kThreads>
+template <int D, int NC, int C, int kThreads>
 OSCAR_DEVICE void rotate_query_columns(const float* q_in, const float* rotation, float* q_rot, int tid) {
   for (int i = tid; i < D; i += kThreads) {
     float acc[NC];
@@ -575,11 +604,11 @@ OSCAR_DEVICE void rotate_query_columns(const float* q_in, const float* rotation,
       }
     }
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) q_rot[c * D + i] = c < NC ? acc[c] : 0.0f;
+    for (int c = 0; c < C; ++c) q_rot[c * D + i] = c < NC ? acc[c] : 0.0f;
   }
 }
 
-// The block's output rows, columns c < valid_cols <= NC of final_o ([kCols][D] float in shared
+// The block's output rows, columns c < valid_cols <= NC of final_o ([C][D] float in shared
 // memory): un-rotated by R_Vᵀ (o·R_Vᵀ: out_i = Σ_k o_k R_ik) unless the engine folds it, rounded
 // to bf16.
 // The un-rotation reads R by rows, 8 lanes per row: each load of a warp is 4 whole 128-byte
@@ -652,7 +681,7 @@ OSCAR_DEVICE void write_output_columns(const float* final_o, const PagedAttentio
 // round trips: each thread owns NC·D/threads elements and keeps up to 64 loads in flight (16 chunks
 // at a time at d = 128, GQA 4); a remainder batch is predicated, not walked a chunk per round trip
 // (38 chunks at B = 1 32K were 10 round trips, ~7.5 us on the H200).
-template <int D, int NC, int kThreads>
+template <int D, int NC, int C, int kThreads>
 OSCAR_DEVICE void merge_chunk_outputs(const float* base, size_t stride, const float* w, int chunks, int valid_cols,
                                       float* final_o, int tid) {
   constexpr int kPerThread = NC * D / kThreads;
@@ -677,7 +706,7 @@ OSCAR_DEVICE void merge_chunk_outputs(const float* base, size_t stride, const fl
     for (int k = 0; k < kBatch; ++k) {
 #pragma unroll
       for (int e = 0; e < kPerThread; ++e) {
-        if (k0 + k < chunks) o[e] = fmaf(w[(k0 + k) * kCols + (tid + e * kThreads) / D], v[k][e], o[e]);
+        if (k0 + k < chunks) o[e] = fmaf(w[(k0 + k) * C + (tid + e * kThreads) / D], v[k][e], o[e]);
       }
     }
   }
@@ -688,26 +717,28 @@ OSCAR_DEVICE void merge_chunk_outputs(const float* base, size_t stride, const fl
   }
 }
 
-// Shared memory of one block (dynamic). The q buffers are dead once the fragments are built,
-// so the warps' partial outputs reuse them.
-template <int D>
+// Shared memory of one block (dynamic), C = 8·NT columns. The q buffers are dead once the
+// fragments are built, so the warps' partial outputs reuse them.
+template <int D, int NT = 1>
 struct SharedLayout {
-  static constexpr int kWarps = KernelConfig<D>::kWarps;
+  static constexpr int kWarps = KernelConfig<D, NT>::kWarps;
+  static constexpr int C = kCols * NT;
   // The INT2 stages are filled from the start (their first tiles are issued before q is
   // read), so q's buffers lie outside them: q_in in final_o, dead until the warps merge.
-  static constexpr size_t warp_o = 0;                                  // float [warps][8][D], after the loop
+  static constexpr size_t warp_o = 0;                                  // float [warps][C][D], after the loop
   static constexpr size_t int2_stages = 0;  // [warps][kInt2Stages][Int2Stage<D>::kBytes], until the loop ends
   static constexpr size_t stage_bytes = size_t{kWarps} * kInt2Stages * Int2Stage<D>::kBytes;
-  static constexpr size_t region_a = std::max(sizeof(float) * kCols * D * kWarps, stage_bytes);
-  static constexpr size_t q_frag = region_a;                           // uint4 [D/16][32]
-  static constexpr size_t final_o = q_frag + sizeof(uint4) * (D / 16) * 32;  // float [8][D]
-  static constexpr size_t q_in = final_o;                              // float [8][D], the prologue only
-  static constexpr size_t q_rot = final_o + sizeof(float) * kCols * D;       // float [8][D], the prologue only
-  static constexpr size_t stats = q_rot + sizeof(float) * kCols * D;         // float [3][warps][8] + [8]
-  static constexpr size_t key_q_frag = stats + sizeof(float) * (3 * kWarps * kCols + kCols) + 16;  // uint2 [D/16][32]
-  static constexpr size_t key_q_frag_bytes = KernelConfig<D>::kQueryFragmentsShared ? sizeof(uint2) * (D / 16) * 32 : 0;
+  static constexpr size_t region_a = std::max(sizeof(float) * C * D * kWarps, stage_bytes);
+  static constexpr size_t q_frag = region_a;                           // uint4 [NT][D/16][32]
+  static constexpr size_t final_o = q_frag + sizeof(uint4) * NT * (D / 16) * 32;  // float [C][D]
+  static constexpr size_t q_in = final_o;                              // float [C][D], the prologue only
+  static constexpr size_t q_rot = final_o + sizeof(float) * C * D;     // float [C][D], the prologue only
+  static constexpr size_t stats = q_rot + sizeof(float) * C * D;       // float [3][warps][C] + [C]
+  static constexpr size_t key_q_frag = stats + sizeof(float) * (3 * kWarps * C + C) + 16;  // uint2 [NT][D/16][32]
+  static constexpr size_t key_q_frag_bytes =
+      KernelConfig<D, NT>::kQueryFragmentsShared ? sizeof(uint2) * NT * (D / 16) * 32 : 0;
   static constexpr size_t bytes = key_q_frag + key_q_frag_bytes;
-  static_assert(kMaxAttentionChunks * kCols <= kWarps * kCols * D, "merge weights reuse warp_o");
+  static_assert(kMaxAttentionChunks * C <= kWarps * C * D, "merge weights reuse warp_o");
 };
 
 struct KernelArgs {
@@ -721,12 +752,15 @@ struct KernelArgs {
   bool decode;
 };
 
-template <int D>
-__global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kMinBlocks)
+// NT column tiles of 8 per block (KernelConfig): C = 8·NT (query token, query head) columns of
+// one KV head share every pass over the keys.
+template <int D, int NT>
+__global__ void __launch_bounds__(KernelConfig<D, NT>::kThreads, KernelConfig<D, NT>::kMinBlocks)
     paged_attention_kernel(const KernelArgs args) {
-  constexpr int kWarps = KernelConfig<D>::kWarps;
-  constexpr int kThreads = KernelConfig<D>::kThreads;
-  using L = SharedLayout<D>;
+  constexpr int kWarps = KernelConfig<D, NT>::kWarps;
+  constexpr int kThreads = KernelConfig<D, NT>::kThreads;
+  constexpr int C = kCols * NT;
+  using L = SharedLayout<D, NT>;
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_in = reinterpret_cast<float*>(smem + L::q_in);
   float* q_rot = reinterpret_cast<float*>(smem + L::q_rot);
@@ -734,9 +768,9 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   uint4* q_frag = reinterpret_cast<uint4*>(smem + L::q_frag);
   float* final_o = reinterpret_cast<float*>(smem + L::final_o);
   float* warp_m = reinterpret_cast<float*>(smem + L::stats);
-  float* warp_l = warp_m + kWarps * kCols;
-  float* warp_off = warp_l + kWarps * kCols;
-  float* final_lse = warp_off + kWarps * kCols;
+  float* warp_l = warp_m + kWarps * C;
+  float* warp_off = warp_l + kWarps * C;
+  float* final_lse = warp_off + kWarps * C;
   __shared__ int is_last_block;
 
   const PagedAttentionParams& p = args.p;
@@ -754,17 +788,20 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
 
   const int32_t q_begin = args.decode ? b_req : p.qo_indptr[b_req];
   const int32_t n_q = args.decode ? 1 : p.qo_indptr[b_req + 1] - q_begin;
-  const int col0 = item.column_tile * kCols;
-  const int valid_cols = min(kCols, n_q * g - col0);
-  // q's 16-byte load (8 channels, one per thread; the launcher checks q's alignment) goes out
-  // first: the page-table walk and the INT2 copies below then queue behind it, not it behind
-  // them.
-  static_assert(kCols * D / 8 <= kThreads, "one q load per thread");
-  const int q_col = tid / (D / 8), q_ch = (tid % (D / 8)) * 8;
-  uint4 q_raw = make_uint4(0, 0, 0, 0);
-  if (tid < kCols * D / 8 && q_col < valid_cols) {
-    const int64_t row = query_row(q_begin, col0 + q_col, g, p.num_qo_heads, head);
-    q_raw = __ldg(reinterpret_cast<const uint4*>(p.q + row * D + q_ch));
+  const int col0 = item.column_tile * C;
+  const int valid_cols = min(C, n_q * g - col0);
+  // q's 16-byte loads (8 channels each; the launcher checks q's alignment) go out first: the
+  // page-table walk and the INT2 copies below then queue behind them, not they behind them.
+  constexpr int kQLoads = (C * D / 8 + kThreads - 1) / kThreads;  // per thread
+  uint4 q_raw[kQLoads];
+#pragma unroll
+  for (int e = 0; e < kQLoads; ++e) {
+    const int idx = tid + e * kThreads, q_col = idx / (D / 8), q_ch = (idx % (D / 8)) * 8;
+    q_raw[e] = make_uint4(0, 0, 0, 0);
+    if (idx < C * D / 8 && q_col < valid_cols) {
+      const int64_t row = query_row(q_begin, col0 + q_col, g, p.num_qo_heads, head);
+      q_raw[e] = __ldg(reinterpret_cast<const uint4*>(p.q + row * D + q_ch));
+    }
   }
 
   // R_Vᵀ is read in the tail of the request's last block, after the loop: each chunk's block
@@ -810,82 +847,91 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
 
   timeline_mark(kMarkIssued);
   // 1. q of the block's columns (loaded above), rotated into the keys' basis.
-  if (tid < kCols * D / 8) {
-    float v[8];
-    bf16x8_to_float(q_raw, v);
-    *reinterpret_cast<float4*>(q_in + q_col * D + q_ch) = make_float4(v[0], v[1], v[2], v[3]);
-    *reinterpret_cast<float4*>(q_in + q_col * D + q_ch + 4) = make_float4(v[4], v[5], v[6], v[7]);
+#pragma unroll
+  for (int e = 0; e < kQLoads; ++e) {
+    const int idx = tid + e * kThreads, q_col = idx / (D / 8), q_ch = (idx % (D / 8)) * 8;
+    if (idx < C * D / 8) {
+      float v[8];
+      bf16x8_to_float(q_raw[e], v);
+      *reinterpret_cast<float4*>(q_in + q_col * D + q_ch) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(q_in + q_col * D + q_ch + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    }
   }
   __syncthreads();
   const float* q_basis = q_in;
   timeline_mark(kMarkQLoaded);
   if (p.q_rotation) {
-    with_column_count(valid_cols, [&]<int NC>() {
-      rotate_query_columns<D, NC, kThreads>(q_in, p.q_rotation, q_rot, tid);
+    with_column_count<C>(valid_cols, [&]<int NC>() {
+      rotate_query_columns<D, NC, C, kThreads>(q_in, p.q_rotation, q_rot, tid);
     });
     __syncthreads();
     q_basis = q_rot;
   }
   timeline_mark(kMarkRotated);
 
-  // 2. This lane's fragments: fp16 q for INT2 keys (registers), bf16 hi/lo for BF16 keys (smem).
+  // 2. This lane's fragments, per column tile n (columns 8n..8n+7): fp16 q for INT2 keys
+  // (registers), bf16 hi/lo for BF16 keys (smem).
   const int r = lane / 4, j = lane % 4;
-  KeyQueryFragments<D> qf;
-  uint32_t frag[D / 16][2];
-  float q_part = 0.0f;  // Σ of column r's float q over this lane's channels (a quarter of them)
+  KeyQueryFragments<D> qf[NT];
+  float key_bias[NT][2];
+  float qsum[NT][2];
 #pragma unroll
-  for (int s = 0; s < D / 16; ++s) {
-    const int wi = s / 4, k = s % 4;
-    const int ch = j * (D / 16) + 4 * wi + k * (D / 4);
-    const float4 qv = *reinterpret_cast<const float4*>(q_basis + r * D + ch);  // column n = lane/4
-    // k-step s meets code field k (the 4^-k is exact); sm_scale·log2(e) is folded in here, so
-    // the scores leave the MMA in log2 units.
-    const float inv = args.scale2 / float(1 << (2 * k));
-    frag[s][0] = pack_half2(qv.x * inv, qv.z * inv);
-    frag[s][1] = pack_half2(qv.y * inv, qv.w * inv);
-    q_part += (qv.x + qv.y) + (qv.z + qv.w);
-  }
-  if constexpr (KeyQueryFragments<D>::kShared) {
-    uint2* shared = reinterpret_cast<uint2*>(smem + L::key_q_frag);
-    if (warp == 0) {  // every warp's lanes hold the same fragments
-#pragma unroll
-      for (int s = 0; s < D / 16; ++s) shared[s * 32 + lane] = make_uint2(frag[s][0], frag[s][1]);
-    }
-    qf.shared = shared + lane;  // read after the __syncthreads below
-  } else {
-#pragma unroll
-    for (int s = 0; s < D / 16; ++s) qf.reg[s][0] = frag[s][0], qf.reg[s][1] = frag[s][1];
-  }
-  // -1024·Σ q' over column r's fp16 fragments (this lane's channels, then its 4 lanes), then
-  // fetched for this lane's accumulator columns 2j, 2j+1: the key MMAs' starting value.
-  float key_bias[2];
-  {
-    float part = 0.0f;
+  for (int n = 0; n < NT; ++n) {
+    uint32_t frag[D / 16][2];
+    float q_part = 0.0f;  // Σ of column 8n + r's float q over this lane's channels (a quarter of them)
 #pragma unroll
     for (int s = 0; s < D / 16; ++s) {
-      const float2 a = __half22float2(bits_half2(frag[s][0])), b = __half22float2(bits_half2(frag[s][1]));
-      part += (a.x + a.y) + (b.x + b.y);
+      const int wi = s / 4, k = s % 4;
+      const int ch = j * (D / 16) + 4 * wi + k * (D / 4);
+      const float4 qv = *reinterpret_cast<const float4*>(q_basis + (8 * n + r) * D + ch);  // column 8n + lane/4
+      // k-step s meets code field k (the 4^-k is exact); sm_scale·log2(e) is folded in here, so
+      // the scores leave the MMA in log2 units.
+      const float inv = args.scale2 / float(1 << (2 * k));
+      frag[s][0] = pack_half2(qv.x * inv, qv.z * inv);
+      frag[s][1] = pack_half2(qv.y * inv, qv.w * inv);
+      q_part += (qv.x + qv.y) + (qv.z + qv.w);
     }
-    part += __shfl_xor_sync(kFullMask, part, 1);
-    part += __shfl_xor_sync(kFullMask, part, 2);
-    key_bias[0] = -1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j));
-    key_bias[1] = -1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j + 1));
+    if constexpr (KeyQueryFragments<D>::kShared) {
+      uint2* shared = reinterpret_cast<uint2*>(smem + L::key_q_frag) + n * (D / 16) * 32;
+      if (warp == 0) {  // every warp's lanes hold the same fragments
+#pragma unroll
+        for (int s = 0; s < D / 16; ++s) shared[s * 32 + lane] = make_uint2(frag[s][0], frag[s][1]);
+      }
+      qf[n].shared = shared + lane;  // read after the __syncthreads below
+    } else {
+#pragma unroll
+      for (int s = 0; s < D / 16; ++s) qf[n].reg[s][0] = frag[s][0], qf[n].reg[s][1] = frag[s][1];
+    }
+    // -1024·Σ q' over column r's fp16 fragments (this lane's channels, then its 4 lanes), then
+    // fetched for this lane's accumulator columns 2j, 2j+1: the key MMAs' starting value.
+    {
+      float part = 0.0f;
+#pragma unroll
+      for (int s = 0; s < D / 16; ++s) {
+        const float2 a = __half22float2(bits_half2(frag[s][0])), b = __half22float2(bits_half2(frag[s][1]));
+        part += (a.x + a.y) + (b.x + b.y);
+      }
+      part += __shfl_xor_sync(kFullMask, part, 1);
+      part += __shfl_xor_sync(kFullMask, part, 2);
+      key_bias[n][0] = -1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j));
+      key_bias[n][1] = -1024.0f * __shfl_sync(kFullMask, part, 4 * (2 * j + 1));
+    }
+    // Σ q·sm_scale·log2(e) of this lane's accumulator columns 2j, 2j+1, for the keys' offsets:
+    // the lanes' quarters summed over the 4 lanes of a column, as for key_bias (a serial walk
+    // over the D channels here was ~4.6 us of every block's prologue at d = 128, H200).
+    {
+      q_part += __shfl_xor_sync(kFullMask, q_part, 1);
+      q_part += __shfl_xor_sync(kFullMask, q_part, 2);
+      qsum[n][0] = args.scale2 * __shfl_sync(kFullMask, q_part, 4 * (2 * j));
+      qsum[n][1] = args.scale2 * __shfl_sync(kFullMask, q_part, 4 * (2 * j + 1));
+    }
   }
-  // Σ q·sm_scale·log2(e) of this lane's accumulator columns 2j, 2j+1, for the keys' offsets: the
-  // lanes' quarters summed over the 4 lanes of a column, as for key_bias (a serial walk over the
-  // D channels here was ~4.6 us of every block's prologue at d = 128, H200).
-  float qsum[2];
-  {
-    q_part += __shfl_xor_sync(kFullMask, q_part, 1);
-    q_part += __shfl_xor_sync(kFullMask, q_part, 2);
-    qsum[0] = args.scale2 * __shfl_sync(kFullMask, q_part, 4 * (2 * j));
-    qsum[1] = args.scale2 * __shfl_sync(kFullMask, q_part, 4 * (2 * j + 1));
-  }
-  for (int idx = tid; idx < (D / 16) * 32; idx += kThreads) {
-    const int s = idx / 32, ln = idx % 32;
-    const int n = ln / 4, jj = ln % 4;
+  // q_frag[n][s][lane]: column tile n's bf16 hi/lo fragments for the BF16 tiles.
+  for (int idx = tid; idx < NT * (D / 16) * 32; idx += kThreads) {
+    const int n = idx / ((D / 16) * 32), s = idx / 32 % (D / 16), ln = idx % 32;
+    const int col = 8 * n + ln / 4, jj = ln % 4;
     const int ch = (s / 2) * 32 + 8 * jj + 4 * (s % 2);
-    const float* qn = q_basis + n * D + ch;
+    const float* qn = q_basis + col * D + ch;
     float hi[4], lo[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -898,17 +944,23 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   timeline_mark(kMarkFragments);
   // The queries' positions, for the causal mask of an extend; a decode never masks, so it
   // skips them (their first use waited on the recent table's loads before the barrier below).
-  TileContext tc;
-  tc.causal = !args.decode;
-  tc.q_pos[0] = tc.q_pos[1] = INT32_MAX;
+  TileContext tc[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    tc[n].causal = !args.decode;
+    tc[n].q_pos[0] = tc[n].q_pos[1] = INT32_MAX;
+  }
   int32_t keys_seen_by_all = INT32_MAX;  // keys at positions below this are visible to every column
-  if (tc.causal) {
+  if (!args.decode) {
     const int32_t length = recent.start + recent.tokens;
     keys_seen_by_all = length - n_q + col0 / g + 1;  // the block's first column has the earliest query
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int c = 2 * j + i;
-      if (c < valid_cols) tc.q_pos[i] = length - n_q + (col0 + c) / g;
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int c = 8 * n + 2 * j + i;
+        if (c < valid_cols) tc[n].q_pos[i] = length - n_q + (col0 + c) / g;
+      }
     }
   }
   __syncthreads();  // q_frag ready; q_in / q_rot are dead from here
@@ -916,12 +968,15 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
 
   // 3. The chunk's tiles, every 8th one per warp, segment by segment (tiles are numbered over
   // the sink, INT2 and recent segments in order).
-  WarpState<D> st;
+  WarpState<D> st[NT];
 #pragma unroll
-  for (int mt = 0; mt < D / 16; ++mt) st.o[mt][0] = st.o[mt][1] = st.o[mt][2] = st.o[mt][3] = 0.0f;
-  st.m[0] = st.m[1] = kNoKeyMax;
-  st.l[0] = st.l[1] = 0.0f;
-  st.offset[0] = st.offset[1] = 0.0f;
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) st[n].o[mt][0] = st[n].o[mt][1] = st[n].o[mt][2] = st[n].o[mt][3] = 0.0f;
+    st[n].m[0] = st[n].m[1] = kNoKeyMax;
+    st[n].l[0] = st[n].l[1] = 0.0f;
+    st[n].offset[0] = st[n].offset[1] = 0.0f;
+  }
   const float scale2 = args.scale2;
   const bool subnormal_units = body_begin < body_end;  // value_field_unit: the block reads INT2 values
   auto bf16_segment = [&](const SegmentPages& seg, int32_t first_tile) {
@@ -929,10 +984,13 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     chunk_tile_range(item, seg, first_tile, begin, end);
     for (int32_t t = begin + warp; t < end; t += kWarps) {
       const int32_t t0 = t * kAttentionTileTokens;
-      tc.key_position0 = seg.start + t0;
-      tc.valid = min(seg.tokens - t0, kAttentionTileTokens);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        tc[n].key_position0 = seg.start + t0;
+        tc[n].valid = min(seg.tokens - t0, kAttentionTileTokens);
+      }
       const TileHalves th = locate_tile(seg, t0);
-      bf16_tile<D>(st, q_frag + lane, kv.k_bf16, kv.v_bf16, head, th, tc, scale2, subnormal_units, lane);
+      bf16_tile<D, NT>(st, q_frag + lane, kv.k_bf16, kv.v_bf16, head, th, tc, scale2, subnormal_units, lane);
     }
   };
   bf16_segment(sink, 0);
@@ -967,75 +1025,84 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
       int32_t t = begin + warp;
       for (; t < full_end; t += kWarps) {
         read_and_refill(cur, t);
-        if constexpr (kAttentionProbe != 2) int2_tile<D, false>(st, qf, qsum, key_bias, cur, tc, lane);
+        if constexpr (kAttentionProbe != 2) int2_tile<D, NT, false>(st, qf, qsum, key_bias, cur, tc, lane);
       }
       for (; t < end; t += kWarps) {
         read_and_refill(cur, t);
-        if constexpr (kAttentionProbe != 2) int2_tile<D, true>(st, qf, qsum, key_bias, cur, tc, lane);
+        if constexpr (kAttentionProbe != 2) int2_tile<D, NT, true>(st, qf, qsum, key_bias, cur, tc, lane);
       }
       cp_async_wait<0>();  // no copy may land after the stages are reused below
     }
   }
   bf16_segment(recent, sink_tiles + body_tiles);
   timeline_mark(kMarkLoopEnd);
-  if (subnormal_units) to_value_units_of_one<D>(st.o);
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    if (subnormal_units) to_value_units_of_one<D>(st[n].o);
+  }
 
   // 4. Merge the warps: sums over the 8 lanes of a column, then across warps in smem.
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#pragma unroll
-    for (int mask = 4; mask <= 16; mask *= 2) {
-      st.l[i] += __shfl_xor_sync(kFullMask, st.l[i], mask);
-      st.offset[i] += __shfl_xor_sync(kFullMask, st.offset[i], mask);
-    }
-  }
-  if (r == 0) {
+  for (int n = 0; n < NT; ++n) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      warp_m[warp * kCols + 2 * j + i] = st.m[i];
-      warp_l[warp * kCols + 2 * j + i] = st.l[i];
-      warp_off[warp * kCols + 2 * j + i] = st.offset[i];
+#pragma unroll
+      for (int mask = 4; mask <= 16; mask *= 2) {
+        st[n].l[i] += __shfl_xor_sync(kFullMask, st[n].l[i], mask);
+        st[n].offset[i] += __shfl_xor_sync(kFullMask, st[n].offset[i], mask);
+      }
+    }
+    if (r == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        warp_m[warp * C + 8 * n + 2 * j + i] = st[n].m[i];
+        warp_l[warp * C + 8 * n + 2 * j + i] = st[n].l[i];
+        warp_off[warp * C + 8 * n + 2 * j + i] = st[n].offset[i];
+      }
     }
   }
   __syncthreads();  // every warp is done with its INT2 stages, which warp_o overlays
-  float* my_o = warp_o + warp * kCols * D;
+  float* my_o = warp_o + warp * C * D;
 #pragma unroll
-  for (int mt = 0; mt < D / 16; ++mt) {
-    const int ch_lo = value_channel<D>(r, 2 * mt);
-    const int ch_hi = value_channel<D>(r, 2 * mt + 1);
+  for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      my_o[(2 * j + i) * D + ch_lo] = st.o[mt][i];
-      my_o[(2 * j + i) * D + ch_hi] = st.o[mt][2 + i];
+    for (int mt = 0; mt < D / 16; ++mt) {
+      const int ch_lo = value_channel<D>(r, 2 * mt);
+      const int ch_hi = value_channel<D>(r, 2 * mt + 1);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        my_o[(8 * n + 2 * j + i) * D + ch_lo] = st[n].o[mt][i];
+        my_o[(8 * n + 2 * j + i) * D + ch_hi] = st[n].o[mt][2 + i];
+      }
     }
   }
   // Each column's warp weights once, in place (thread c owns column c's stats): warp_l becomes
   // e_w / Σ e_w·l_w, warp_off[c] the merged offset term, so the elements below are plain
   // weighted sums (an exp2 and a division per element and warp were ~1 us of the tail).
-  if (tid < kCols) {
+  if (tid < C) {
     const int c = tid;
     float m = kNoKeyMax;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_m[w * kCols + c]);
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_m[w * C + c]);
     float e[kWarps], sum = 0.0f, off = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {  // an empty warp state: weight 0, or 1 on zero sums
-      e[w] = exp2f(warp_m[w * kCols + c] - m);
-      sum += e[w] * warp_l[w * kCols + c];
-      off += e[w] * warp_off[w * kCols + c];
+      e[w] = exp2f(warp_m[w * C + c] - m);
+      sum += e[w] * warp_l[w * C + c];
+      off += e[w] * warp_off[w * C + c];
     }
     const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) warp_l[w * kCols + c] = e[w] * inv;
+    for (int w = 0; w < kWarps; ++w) warp_l[w * C + c] = e[w] * inv;
     warp_off[c] = off * inv;
     final_lse[c] = sum == 0.0f ? -INFINITY : m + log2f(sum);
   }
   __syncthreads();
-  for (int idx = tid; idx < kCols * D; idx += kThreads) {
+  for (int idx = tid; idx < C * D; idx += kThreads) {
     const int c = idx / D;
     float o = warp_off[c];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) o = fmaf(warp_l[w * kCols + c], warp_o[(w * kCols) * D + idx], o);
+    for (int w = 0; w < kWarps; ++w) o = fmaf(warp_l[w * C + c], warp_o[(w * C) * D + idx], o);
     final_o[idx] = final_lse[c] == -INFINITY ? 0.0f : o;  // no key: 0; a NaN of a seen key stays NaN
   }
   __syncthreads();
@@ -1044,8 +1111,8 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
   // 5. Split requests: publish the partial state; the last block to arrive merges them all.
   if (item.num_chunks > 1) {
     const size_t slot = size_t(item_index) * num_kv_heads + head;
-    for (int idx = tid; idx < valid_cols * D; idx += kThreads) args.partial_o[slot * kCols * D + idx] = final_o[idx];
-    if (tid < kCols) args.partial_lse[slot * kCols + tid] = final_lse[tid];
+    for (int idx = tid; idx < valid_cols * D; idx += kThreads) args.partial_o[slot * C * D + idx] = final_o[idx];
+    if (tid < C) args.partial_lse[slot * C + tid] = final_lse[tid];
     __threadfence();
     __syncthreads();
     if (tid == 0) {
@@ -1062,34 +1129,40 @@ __global__ void __launch_bounds__(KernelConfig<D>::kThreads, KernelConfig<D>::kM
     __threadfence();
     // Weights of the chunks per column, in parallel: w[k][c] = exp2(lse_k - max) / Σ. The lse
     // loads all go out at once (one L2 round trip).
-    float* w = warp_o;  // dead since step 4; kMaxChunks x 8 floats
+    float* w = warp_o;  // dead since step 4; kMaxChunks x C floats
     const int chunks = item.num_chunks;
-    constexpr int kLsePerThread = (kMaxAttentionChunks * kCols + kThreads - 1) / kThreads;
+    constexpr int kLsePerThread = (kMaxAttentionChunks * C + kThreads - 1) / kThreads;
     float lse_k[kLsePerThread];
 #pragma unroll
     for (int e = 0; e < kLsePerThread; ++e) {
       const int idx = tid + e * kThreads;
-      const size_t s2 = size_t(item.first_item + idx / kCols) * num_kv_heads + head;
-      lse_k[e] = idx < chunks * kCols ? __ldcg(args.partial_lse + s2 * kCols + idx % kCols) : 0.0f;
+      const size_t s2 = size_t(item.first_item + idx / C) * num_kv_heads + head;
+      lse_k[e] = idx < chunks * C ? __ldcg(args.partial_lse + s2 * C + idx % C) : 0.0f;
     }
 #pragma unroll
     for (int e = 0; e < kLsePerThread; ++e) {
-      if (tid + e * kThreads < chunks * kCols) w[tid + e * kThreads] = lse_k[e];
+      if (tid + e * kThreads < chunks * C) w[tid + e * kThreads] = lse_k[e];
     }
     __syncthreads();
-    chunk_merge_weights<kCols>(w, final_lse, chunks, tid, kThreads);
-    const float* base = args.partial_o + (size_t(item.first_item) * num_kv_heads + head) * kCols * D;
-    const size_t stride = size_t(num_kv_heads) * kCols * D;  // one chunk further
-    with_column_count(valid_cols, [&]<int NC>() {
-      merge_chunk_outputs<D, NC, kThreads>(base, stride, w, chunks, valid_cols, final_o, tid);
+    chunk_merge_weights<C>(w, final_lse, chunks, tid, kThreads);
+    const float* base = args.partial_o + (size_t(item.first_item) * num_kv_heads + head) * C * D;
+    const size_t stride = size_t(num_kv_heads) * C * D;  // one chunk further
+    with_column_count<C>(valid_cols, [&]<int NC>() {
+      merge_chunk_outputs<D, NC, C, kThreads>(base, stride, w, chunks, valid_cols, final_o, tid);
     });
     __syncthreads();
   }
 
   timeline_mark(kMarkChunksMerged);
   // 6. Output: un-rotate by R_Vᵀ (o·R_Vᵀ: out_i = Σ_k o_k R_ik), round to bf16.
-  with_column_count(valid_cols, [&]<int NC>() {
-    write_output_columns<D, NC, kThreads>(final_o, p, q_begin, col0, valid_cols, g, head, tid);
+  // (8 columns at a time: all 16 of a paired tile at once kept 16 sums and 16 of R's float4
+  // live per lane, and the kernel spilled ~1 KB.)
+  with_column_count<C>(valid_cols, [&]<int NC>() {
+#pragma unroll 1
+    for (int c0 = 0; c0 < NC; c0 += kCols) {
+      write_output_columns<D, std::min(NC, kCols), kThreads>(final_o + c0 * D, p, q_begin, col0 + c0, valid_cols - c0,
+                                                             g, head, tid);
+    }
   });
   if (p.lse && tid < valid_cols) {
     const int gc = col0 + tid;
@@ -1159,13 +1232,27 @@ inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_d
   OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
     const size_t smem = SharedLayout<D>::bytes;
     OSCAR_RETURN_IF_ERROR(cuda_status(
-        cudaFuncSetAttribute(paged_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+        cudaFuncSetAttribute(paged_attention_kernel<D, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
         "attention_plan_options_for_device: shared memory attribute"));
-    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, paged_attention_kernel<D>,
+    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, paged_attention_kernel<D, 1>,
                                                                      KernelConfig<D>::kThreads, smem),
                        "attention_plan_options_for_device: occupancy");
   }));
   options.target_blocks_per_sm = std::max(1, resident);
+  int paired_resident = 0;  // stays 0 where the kernel has no paired column tiles (d = 256)
+  OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
+    if constexpr (D <= kAttentionPairedTilesMaxHeadDim) {
+      const size_t smem = SharedLayout<D, 2>::bytes;
+      OSCAR_RETURN_IF_ERROR(cuda_status(
+          cudaFuncSetAttribute(paged_attention_kernel<D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "attention_plan_options_for_device: paired-tile shared memory attribute"));
+      return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&paired_resident, paged_attention_kernel<D, 2>,
+                                                                       KernelConfig<D, 2>::kThreads, smem),
+                         "attention_plan_options_for_device: paired-tile occupancy");
+    }
+    return Status::Ok();
+  }));
+  options.target_paired_blocks_per_sm = std::max(1, paired_resident);
   int extend_resident = 0;  // stays 0 where no row-tiled kernel exists (d = 256)
   OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
     if constexpr (D <= kAttentionRowTiledMaxHeadDim) {
@@ -1315,14 +1402,22 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
       }
     });
   }
-  return dispatch_head_dim(shape.head_dim, [&]<int D>() -> Status {
-    const size_t smem = SharedLayout<D>::bytes;
+  auto launch = [&]<int D, int NT>() -> Status {
+    const size_t smem = SharedLayout<D, NT>::bytes;
     OSCAR_RETURN_IF_ERROR(cuda_status(
-        cudaFuncSetAttribute(paged_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+        cudaFuncSetAttribute(paged_attention_kernel<D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
         "paged_attention: shared memory attribute"));
     const dim3 grid(static_cast<unsigned>(plan.items.size()), static_cast<unsigned>(shape.num_kv_heads));
-    paged_attention_kernel<D><<<grid, KernelConfig<D>::kThreads, smem, stream>>>(args);
+    paged_attention_kernel<D, NT><<<grid, KernelConfig<D, NT>::kThreads, smem, stream>>>(args);
     return cuda_status(cudaGetLastError(), "paged_attention launch");
+  };
+  return dispatch_head_dim(shape.head_dim, [&]<int D>() -> Status {
+    if (plan.tile_columns == kAttentionTileColumns) return launch.template operator()<D, 1>();
+    if constexpr (D <= kAttentionPairedTilesMaxHeadDim) {
+      if (plan.tile_columns == kAttentionPairedTileColumns) return launch.template operator()<D, 2>();
+    }
+    return invalid_argument("paged_attention: a plan of " + std::to_string(plan.tile_columns) +
+                            " columns per tile at head_dim " + std::to_string(D) + " (not a plan of this library)");
   });
 }
 
