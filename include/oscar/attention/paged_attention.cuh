@@ -24,6 +24,9 @@
 //   block merges its warps, and the last block of a split request (arrival counter) merges the
 //   chunks and un-rotates the output. One launch, no host sync, no allocation. (Extends of
 //   many rows run the row-tiled kernels of extend_attention.cuh instead: three launches.)
+// - Extends of 9-48 rows per KV head carry two 8-column tiles per pass (NT = 2): each staged
+//   INT2 tile is read and unpacked once for both tiles' MMAs, at the price of twice o and q's
+//   fragments in registers (fewer blocks per SM).
 #pragma once
 
 #include <cuda_bf16.h>
