@@ -40,6 +40,9 @@ struct HostTable {
 };
 
 // A batch of B requests of L tokens each, pages in shuffled order, random contents.
+// Paired column tiles for an extend: as the plan chooses, never, or whatever the chunk count.
+enum { kPairedByPlan, kPairedNever, kPairedAlways };
+
 struct Problem {
   AttentionShape shape;
   AttentionPlan plan;
@@ -50,7 +53,7 @@ struct Problem {
   std::vector<void*> allocations;
 
   Problem(int batch, int64_t length, int hq, int hkv, int d, int page, bool int2, int sink, int recent,
-          int queries = 0, bool paired = true) {
+          int queries = 0, int paired = kPairedByPlan) {
     shape = {hq, hkv, d, d, page};
     std::mt19937_64 rng(7);
     std::vector<SegmentCounts> lengths(batch, int2 ? segment_counts(length, sink, recent, page)
@@ -180,7 +183,8 @@ struct Problem {
     } else if (rt == 2) {
       options.row_tiled_min_rows = 0;
     }
-    options.paired_column_tiles = paired;
+    options.paired_column_tiles = paired != kPairedNever;
+    if (paired == kPairedAlways) options.paired_max_chunks_per_tile = INT32_MAX;
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
@@ -267,7 +271,7 @@ void print_timeline(const char* what, int blocks) {
 #endif
 
 void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, int hkv, int d, int page, bool int2,
-                  int queries, bool paired) {
+                  int queries, int paired) {
   Problem problem(batch, length, hq, hkv, d, page, int2, 64, 256, queries, paired);
   oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
   const double gbps = state.counters["GB/s"];
@@ -310,7 +314,7 @@ int main(int argc, char** argv) {
         const std::string name = std::string(int2 ? "int2" : "bf16") + "/hq" + std::to_string(h.hq) + "_hkv" +
                                  std::to_string(h.hkv) + "_d" + std::to_string(h.d) + "/B" + std::to_string(c.batch) +
                                  "/L" + std::to_string(c.length) + "/page16";
-        benchmark::RegisterBenchmark(name.c_str(), BM_Attention, c.batch, c.length, h.hq, h.hkv, h.d, 16, int2, 0, true)
+        benchmark::RegisterBenchmark(name.c_str(), BM_Attention, c.batch, c.length, h.hq, h.hkv, h.d, 16, int2, 0, kPairedByPlan)
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
       }
@@ -318,48 +322,50 @@ int main(int argc, char** argv) {
   }
   for (int page : {8, 64, 256}) {
     const std::string name = "int2/hq32_hkv8_d128/B16/L32768/page" + std::to_string(page);
-    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, page, true, 0, true)
+    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, page, true, 0, kPairedByPlan)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
   // Extend (chunked prefill / speculative verification): Q new tokens over a 32K quantized
   // prefix. Target: within 1.5x of the time to read the prefix (%copy >= 67). Q = 4 is a
   // speculative verification step (16 rows at g = 4); Q >= 16 fills 64-row tiles.
-  // Q = 4 and 8 (16 and 32 rows) run paired column tiles; their "extend_single" rows, single ones.
   for (int queries : {4, 8, 16, 64, 256}) {
-    for (const bool paired : {true, false}) {
-      if (!paired && queries * 4 > kAttentionRowTiledMinRows) continue;  // row tiles either way
-      const std::string name =
-          std::string(paired ? "extend" : "extend_single") + "/hq32_hkv8_d128/B1/L32768/Q" + std::to_string(queries);
-      benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 1, int64_t{32768}, 32, 8, 128, 16, true, queries,
-                                   paired)
-          ->UseManualTime()
-          ->Unit(benchmark::kMicrosecond);
-    }
-  }
-  // The same speculative-verification steps for a batch of 16 requests (each 32K cached, its
-  // last Q tokens the queries): the prefix then takes the copy bandwidth to read, so these show
-  // what verifying Q drafted tokens costs against a decode step of the same batch
-  // (int2/hq32_hkv8_d128/B16/L32768/page16), where the B = 1 shapes are latency-bound.
-  // The "single" rows run the same plans with paired_column_tiles off (each 8-column tile its
-  // own pass over the keys), the A/B of the paired tiles in one run.
-  for (int queries : {2, 4, 8}) {
-    for (const bool paired : {true, false}) {
-      if (!paired && queries * 4 <= kAttentionTileColumns) continue;  // one tile: nothing to pair
-      const std::string name =
-          std::string(paired ? "extend" : "extend_single") + "/hq32_hkv8_d128/B16/L32768/Q" + std::to_string(queries);
-      benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 32, 8, 128, 16, true, queries,
-                                   paired)
-          ->UseManualTime()
-          ->Unit(benchmark::kMicrosecond);
-    }
-  }
-  // The headline d = 64 shape (g = 3) verifying 4 drafted tokens: 12 rows per KV head.
-  for (const bool paired : {true, false}) {
-    const std::string name = std::string(paired ? "extend" : "extend_single") + "/hq9_hkv3_d64/B16/L32768/Q4";
-    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 16, int64_t{32768}, 9, 3, 64, 16, true, 4, paired)
+    const std::string name = "extend/hq32_hkv8_d128/B1/L32768/Q" + std::to_string(queries);
+    benchmark::RegisterBenchmark(name.c_str(), BM_Attention, 1, int64_t{32768}, 32, 8, 128, 16, true, queries,
+                                 kPairedByPlan)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
+  }
+  // Speculative verification for a batch (each request 32K cached, its last Q tokens the
+  // queries): at B = 16 the prefix takes the copy bandwidth to read, so these show what
+  // verifying Q drafted tokens costs against a decode step of the same batch
+  // (int2/hq32_hkv8_d128/B16/L32768/page16), where the B = 1 shapes are latency-bound.
+  // "extend" runs the plan's choice of column tiles; "extend_single" and "extend_paired" force
+  // single and paired 8-column tiles (the A/B that AttentionPlanOptions::paired_max_chunks_per_tile
+  // stands on, in one run).
+  struct Verification {
+    int batch;
+    int64_t length;
+    int hq, hkv, d, queries;
+  };
+  for (const Verification& v : {Verification{1, 32768, 32, 8, 128, 4}, Verification{1, 32768, 32, 8, 128, 8},
+                                Verification{1, 131072, 32, 8, 128, 4}, Verification{4, 32768, 32, 8, 128, 4},
+                                Verification{16, 32768, 32, 8, 128, 2}, Verification{16, 32768, 32, 8, 128, 4},
+                                Verification{16, 32768, 32, 8, 128, 8}, Verification{64, 8192, 32, 8, 128, 4},
+                                Verification{16, 32768, 9, 3, 64, 4}, Verification{1, 131072, 9, 3, 64, 4}}) {
+    const std::string shape = "/hq" + std::to_string(v.hq) + "_hkv" + std::to_string(v.hkv) + "_d" +
+                              std::to_string(v.d) + "/B" + std::to_string(v.batch) + "/L" +
+                              std::to_string(v.length) + "/Q" + std::to_string(v.queries);
+    const bool one_tile = v.queries * (v.hq / v.hkv) <= kAttentionTileColumns;
+    for (const int mode : {kPairedByPlan, kPairedNever, kPairedAlways}) {
+      if (mode != kPairedByPlan && one_tile) continue;  // nothing to pair
+      if (mode == kPairedByPlan && v.batch == 1 && v.length == 32768 && v.d == 128) continue;  // registered above
+      const char* prefix = mode == kPairedByPlan ? "extend" : mode == kPairedNever ? "extend_single" : "extend_paired";
+      benchmark::RegisterBenchmark((prefix + shape).c_str(), BM_Attention, v.batch, v.length, v.hq, v.hkv, v.d, 16,
+                                   true, v.queries, mode)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

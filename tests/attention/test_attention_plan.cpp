@@ -59,8 +59,12 @@ TEST_CASE("chunks cover every tile once, in order") {
   CHECK(plan->num_counters >= 1);  // the 32K request is split
   CHECK(plan->workspace_bytes() >= plan->items.size() * sizeof(AttentionWorkItem));
 
-  const std::vector<int32_t> queries = {1, 7, 3, 2};  // 7 queries x 4 heads = 28 columns: 4 tiles
-  auto extend = make_attention_plan(headline(), lengths, queries);
+  // 7 queries x 4 heads = 28 columns: 4 tiles, 2 paired ones (paired whatever the chunk count:
+  // the next test case checks where the plan pairs).
+  const std::vector<int32_t> queries = {1, 7, 3, 2};
+  AttentionPlanOptions paired;
+  paired.paired_max_chunks_per_tile = INT32_MAX;
+  auto extend = make_attention_plan(headline(), lengths, queries, paired);
   REQUIRE(extend.ok());
   CHECK(!extend->decode);
   check_cover(*extend, lengths, queries);
@@ -78,7 +82,7 @@ TEST_CASE("chunks cover every tile once, in order") {
   REQUIRE(few.ok());
   CHECK(few->tile_columns == kAttentionTileColumns);
   check_cover(*few, lengths, two);
-  AttentionPlanOptions unpaired;
+  AttentionPlanOptions unpaired = paired;
   unpaired.paired_column_tiles = false;
   auto single = make_attention_plan(headline(), lengths, queries, unpaired);
   REQUIRE(single.ok());
@@ -114,7 +118,7 @@ TEST_CASE("chunks cover every tile once, in order") {
   CHECK(!d256->row_tiled());
   CHECK(d256->tile_columns == kAttentionTileColumns);  // no paired tiles above d = 128 either
   check_cover(*d256, lengths, many);
-  AttentionPlanOptions columns;
+  AttentionPlanOptions columns = paired;
   columns.row_tiled_min_rows = INT32_MAX;
   auto off = make_attention_plan(headline(), lengths, many, columns);
   REQUIRE(off.ok());
@@ -125,6 +129,32 @@ TEST_CASE("chunks cover every tile once, in order") {
   REQUIRE(off_single.ok());
   CHECK(off_single->tile_columns == kAttentionTileColumns);
   check_cover(*off_single, lengths, many);
+}
+
+TEST_CASE("paired tiles where the single-tile plan would cut few chunks per tile") {
+  // One request of 32K verifying 4 tokens: a single-tile plan cuts each of its two tiles into
+  // ~24 chunks, so it stays on single tiles (the paired kernel's longer prologue and tail lose
+  // there); sixteen such requests get one chunk per tile and are paired. The threshold is an
+  // option.
+  AttentionPlanOptions options;
+  options.target_blocks_per_sm = 3;
+  options.target_paired_blocks_per_sm = 2;
+  const std::vector<int32_t> q1(1, 4), q16(16, 4);
+  const std::vector<SegmentCounts> one(1, SegmentCounts{64, 32768 - 320, 256}), sixteen(16, one[0]);
+  auto single = make_attention_plan(headline(), one, q1, options);
+  auto batch = make_attention_plan(headline(), sixteen, q16, options);
+  REQUIRE(single.ok());
+  REQUIRE(batch.ok());
+  CHECK(single->tile_columns == kAttentionTileColumns);
+  CHECK(single->items.size() > 8 * 2);  // more than 8 chunks for each of the 2 tiles
+  CHECK(batch->tile_columns == kAttentionPairedTileColumns);
+  check_cover(*single, one, q1);
+  check_cover(*batch, sixteen, q16);
+  options.paired_max_chunks_per_tile = INT32_MAX;
+  auto forced = make_attention_plan(headline(), one, q1, options);
+  REQUIRE(forced.ok());
+  CHECK(forced->tile_columns == kAttentionPairedTileColumns);
+  check_cover(*forced, one, q1);
 }
 
 TEST_CASE("paired-tile plans size their chunks for the paired kernel's occupancy") {

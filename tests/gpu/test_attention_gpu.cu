@@ -331,6 +331,7 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = many, .replays = 2, .via_graph = true}));
     AttentionPlanOptions columns = many;  // the column kernel: paired 8-column tiles (d <= 128)
     columns.row_tiled_min_rows = INT32_MAX;
+    columns.paired_max_chunks_per_tile = INT32_MAX;  // however many chunks
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = columns}));
     AttentionPlanOptions single = columns;  // each 8-column tile its own pass
     single.paired_column_tiles = false;
@@ -342,8 +343,8 @@ TEST_CASE("speculative verification: a few queries per request, two column tiles
   // 2-4 new tokens per request, 6-40 rows per KV head: the default plan pairs two 8-column
   // tiles in one pass over the keys at d <= 128 (a request of 8 rows or fewer computes an empty
   // second tile); d = 256 keeps single tiles. Both against the reference, kernel- and
-  // engine-rotated q, many chunks (the last block merges 16-column partial states), and the
-  // same batch on single tiles.
+  // engine-rotated q, many chunks (paired whatever their count: the last block merges
+  // 16-column partial states), and the same batch on single tiles.
   for (const Shape& s : {Shape{128, 32, 8, 16, 16, 32}, Shape{64, 9, 3, 8, 4, 16}, Shape{128, 16, 2, 32, 0, 16},
                          Shape{64, 8, 8, 16, 0, 0}, Shape{256, 8, 2, 16, 16, 32}}) {
     CAPTURE(s.d);
@@ -358,7 +359,7 @@ TEST_CASE("speculative verification: a few queries per request, two column tiles
     auto tables = cache.page_tables(ids);
     REQUIRE(tables.ok());
     const AttentionShape shape{s.hq, s.hkv, s.d, s.d, s.page};
-    auto plan = make_attention_plan(shape, segment_lengths(*tables), n_new);
+    auto plan = make_attention_plan(shape, segment_lengths(*tables), n_new);  // these short requests: few chunks
     REQUIRE(plan.ok());
     CHECK(plan->tile_columns == (4 * g > kAttentionTileColumns && s.d <= kAttentionPairedTilesMaxHeadDim
                                      ? kAttentionPairedTileColumns
@@ -369,6 +370,7 @@ TEST_CASE("speculative verification: a few queries per request, two column tiles
     many.min_chunk_bytes = 1;
     many.target_paired_blocks_per_sm = 64;
     many.target_blocks_per_sm = 64;
+    many.paired_max_chunks_per_tile = INT32_MAX;
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = many}));
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = many, .replays = 2, .via_graph = true}));
     AttentionPlanOptions single = many;

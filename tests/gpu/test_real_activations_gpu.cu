@@ -155,6 +155,7 @@ Errors attend(const Fixture& f, const PagedCache& cache, int layer, const std::v
   options.min_chunk_bytes = 4096;  // split these ~1K-token requests into several chunks
   options.row_tiled_min_rows = row_tiled_min_rows;
   options.paired_column_tiles = paired_column_tiles;
+  options.paired_max_chunks_per_tile = INT32_MAX;  // paired however many chunks the small min_chunk_bytes makes
   auto plan = make_attention_plan(shape, segment_lengths(*tables), query_tokens, options);
   REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
   DeviceArray<uint8_t> workspace(std::max<size_t>(plan->workspace_bytes(), 256));

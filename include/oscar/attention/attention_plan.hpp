@@ -82,6 +82,11 @@ struct AttentionPlanOptions {
   // target_blocks_per_sm for paired-tile plans (more registers per block). 0:
   // kDefaultTargetBlocksPerSm.
   int32_t target_paired_blocks_per_sm = 0;
+  // Pair only where the single-tile plan would cut each (request, column tile) into at most this
+  // many chunks on average; a few requests cut into many short chunks run single tiles
+  // (make_attention_plan says why). Between the measured points (H100, 32K): 5.5 and 1 won
+  // (d = 64 B = 16, d = 128 B = 16), 12 and 24 lost (d = 128 B = 1, Q = 8 and 4).
+  int32_t paired_max_chunks_per_tile = 8;
 };
 
 inline constexpr int32_t kDefaultTargetBlocksPerSm = 2;
@@ -239,7 +244,7 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   const int64_t bf16_tile = attention_tile_bytes(shape, false);
   std::vector<int64_t> column_tiles(segments.size());
   std::vector<int64_t> request_bytes(segments.size());  // K and V of one KV head (each column tile reads them)
-  int64_t total_bytes = 0;  // per KV head, over every column tile
+  std::vector<int64_t> request_rows(segments.size());   // query tokens x GQA group
   int64_t max_rows = 0;
   for (size_t b = 0; !plan.decode && b < segments.size(); ++b) {
     max_rows = std::max<int64_t>(max_rows, int64_t{query_tokens[b]} * shape.group_size());
@@ -268,17 +273,56 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
                               " cached tokens (queries are the newest cached tokens)");
     }
     plan.num_query_tokens += queries;
-    column_tiles[b] = (queries * shape.group_size() + plan.tile_columns - 1) / plan.tile_columns;
+    request_rows[b] = queries * shape.group_size();
     request_bytes[b] = attention_tiles(s.sink) * bf16_tile + attention_tiles(s.int2) * int2_tile +
                        attention_tiles(s.recent) * bf16_tile;
-    total_bytes += request_bytes[b] * column_tiles[b];
   }
 
+  // Bytes per KV head over every column tile, and the work items one wave of the target holds.
+  auto total_bytes_of = [&](int64_t columns) {
+    int64_t total = 0;
+    for (size_t b = 0; b < segments.size(); ++b) total += request_bytes[b] * ((request_rows[b] + columns - 1) / columns);
+    return total;
+  };
+  auto target_items_of = [&](int32_t target) {
+    const int64_t blocks_per_sm = target > 0 ? target : kDefaultTargetBlocksPerSm;
+    return std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
+  };
+  // Paired tiles pay where a block streams a long chunk: the pass over the keys is then most
+  // of its time, and sharing each tile's copies and unpack between two tiles saved a quarter of
+  // it. Where the single-tile plan cuts a few requests into many short chunks, the paired
+  // kernel's longer prologue and serial tail (16 columns of q rotated, twice the partial states
+  // merged, 16 outputs un-rotated, at fewer blocks per SM) cost more than it saves (H100, 32K,
+  // d = 128: B = 1 Q = 4 44.8 -> 62.1 us, 24 chunks per tile; B = 16 Q = 4 271 -> 204, one
+  // chunk per tile; docs/benchmarks.md).
+  if (plan.paired_tiles()) {
+    std::vector<int64_t> single_tiles(segments.size());
+    double tiles = 0.0;
+    for (size_t b = 0; b < segments.size(); ++b) {
+      single_tiles[b] = (request_rows[b] + kAttentionTileColumns - 1) / kAttentionTileColumns;
+      tiles += double(single_tiles[b]);
+    }
+    const int64_t single_blocks = options.target_blocks_per_sm > 0 ? options.target_blocks_per_sm
+                                                                    : kDefaultTargetBlocksPerSm;
+    const int64_t single_items = target_items_of(options.target_blocks_per_sm);
+    const int64_t single_chunk =
+        std::max(options.min_chunk_bytes, (total_bytes_of(kAttentionTileColumns) + single_items - 1) / single_items);
+    const std::vector<int64_t> chunks =
+        wave_aligned_chunk_counts(request_bytes, single_tiles, single_chunk, options.min_chunk_bytes,
+                                  double(options.num_sms) * double(single_blocks) / double(shape.num_kv_heads));
+    double items = 0.0;
+    for (size_t b = 0; b < segments.size(); ++b) items += double(chunks[b]) * double(single_tiles[b]);
+    if (items > double(options.paired_max_chunks_per_tile) * tiles) plan.tile_columns = kAttentionTileColumns;
+  }
+  for (size_t b = 0; b < segments.size(); ++b) {
+    column_tiles[b] = (request_rows[b] + plan.tile_columns - 1) / plan.tile_columns;
+  }
+  const int64_t total_bytes = total_bytes_of(plan.tile_columns);
   const int32_t target = plan.row_tiled()      ? options.target_extend_blocks_per_sm
                          : plan.paired_tiles() ? options.target_paired_blocks_per_sm
                                                : options.target_blocks_per_sm;
+  const int64_t target_items = target_items_of(target);
   const int64_t blocks_per_sm = target > 0 ? target : kDefaultTargetBlocksPerSm;
-  const int64_t target_items = std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
   const int64_t chunk_bytes = std::max(options.min_chunk_bytes, (total_bytes + target_items - 1) / target_items);
 
   // Chunks per request, about chunk_bytes each, adjusted so that the blocks do not spill just
