@@ -211,17 +211,15 @@ int main() {
   std::vector<float> qf(q.size()), ref(q.size());
   for (size_t i = 0; i < q.size(); ++i) qf[i] = bf16_to_float(q[i]);
   CHECK_OK(reference->decode(layer, ids, qf.data(), ref.data(), nullptr));
+  // Attention reads one layer: the layer-strided view sliced to it (pools and rotations).
+  const LayeredKvPools one = pools.layer_view(layer);
   PagedAttentionParams p;
-  p.kv = {pools.k_bf16, pools.v_bf16, pools.k_int2, pools.v_int2,
+  p.kv = {one.k_bf16, one.v_bf16, one.k_int2, one.v_int2,
           upload_table(tables.sink), upload_table(tables.int2), upload_table(tables.recent)};
-  p.kv.k_bf16.data += layer * bf16_layer;
-  p.kv.v_bf16.data += layer * bf16_layer;
-  p.kv.k_int2.data += layer * int2_layer;
-  p.kv.v_int2.data += layer * int2_layer;
   p.num_qo_heads = config.num_qo_heads;
   p.q = to_device(q);
-  p.q_rotation = pools.k_rotation + size_t(layer) * d * d;
-  p.output_unrotation = pools.v_rotation + size_t(layer) * d * d;
+  p.q_rotation = one.k_rotation;
+  p.output_unrotation = one.v_rotation;
   bf16_t* out = nullptr;
   CHECK_CUDA(cudaMalloc(&out, q.size() * sizeof(bf16_t)));
   p.out = out;

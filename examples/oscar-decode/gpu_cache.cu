@@ -280,20 +280,7 @@ class GpuKvCache final : public KvCache {
   }
 
   // Layer `layer`'s pools, rotations and clip ranks as a one-layer view.
-  LayeredKvPools layer_pools(int32_t layer) const {
-    const int32_t d = books_.config().head_dim;
-    LayeredKvPools p = pools_;
-    p.k_int2.data += layer * p.int2_stride_layer;
-    p.v_int2.data += layer * p.int2_stride_layer;
-    p.k_bf16.data += layer * p.bf16_stride_layer;
-    p.v_bf16.data += layer * p.bf16_stride_layer;
-    p.num_layers = 1;
-    if (p.k_rotation) p.k_rotation += size_t(layer) * d * d;
-    if (p.v_rotation) p.v_rotation += size_t(layer) * d * d;
-    p.k_clip_rank += layer;
-    p.v_clip_rank += layer;
-    return p;
-  }
+  LayeredKvPools layer_pools(int32_t layer) const { return pools_.layer_view(layer); }
 
   host::PagedCache books_;
   int64_t capacity_;

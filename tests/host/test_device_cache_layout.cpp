@@ -99,13 +99,21 @@ TEST_CASE("the layered view finds every layer's pages where the CPU cache keeps 
     CHECK(view->num_layers == 3);
     CHECK(view->max_clip_distance == arrays->max_clip_distance);
 
+    // Each layer through its one-layer view (layer_view), as attention and per-layer launches
+    // read it.
     size_t compared = 0, differing = 0;
     for (int l = 0; l < 3; ++l) {
+      const LayeredKvPools one = view->layer_view(l);
+      CHECK(one.num_layers == 1);
+      CHECK(one.k_rotation == k_rot.as<float>() + size_t(l) * d * d);
+      CHECK(one.v_rotation == v_rot.as<float>() + size_t(l) * d * d);
+      CHECK(one.k_clip_rank == k_rank.as<int32_t>() + l);
+      CHECK(one.v_clip_rank == v_rank.as<int32_t>() + l);
       for (int32_t p = 0; p < config.num_int2_pages; ++p) {
         for (int32_t h = 0; h < config.num_kv_heads; ++h) {
           const size_t bytes = size_t(view->k_int2.layout.block_bytes());
-          const uint8_t* k = view->k_int2.block(p, h) + l * view->int2_stride_layer;
-          const uint8_t* v = view->v_int2.block(p, h) + l * view->int2_stride_layer;
+          const uint8_t* k = one.k_int2.block(p, h);
+          const uint8_t* v = one.v_int2.block(p, h);
           differing += std::memcmp(k, cache->int2_pool(l, T::kKeys).block(p, h), bytes) != 0;
           differing += std::memcmp(v, cache->int2_pool(l, T::kValues).block(p, h), bytes) != 0;
           compared += 2;
@@ -114,9 +122,11 @@ TEST_CASE("the layered view finds every layer's pages where the CPU cache keeps 
       for (int32_t p = 0; p < config.num_bf16_pages; ++p) {
         for (int32_t h = 0; h < config.num_kv_heads; ++h) {
           for (int32_t s = 0; s < page; ++s) {
-            const bf16_t* k = view->k_bf16.row(p, h, s) + l * view->bf16_stride_layer;
-            differing += std::memcmp(k, cache->bf16_pool(l, T::kKeys).row(p, h, s), size_t(d) * 2) != 0;
-            ++compared;
+            differing += std::memcmp(one.k_bf16.row(p, h, s), cache->bf16_pool(l, T::kKeys).row(p, h, s),
+                                     size_t(d) * 2) != 0;
+            differing += std::memcmp(one.v_bf16.row(p, h, s), cache->bf16_pool(l, T::kValues).row(p, h, s),
+                                     size_t(d) * 2) != 0;
+            compared += 2;
           }
         }
       }
@@ -158,12 +168,24 @@ TEST_CASE("stacked rotations: none, all, and layers without one among rotated la
     CHECK_FALSE(is_identity(a->k_rotations.data(), d));
     CHECK(std::memcmp(a->k_rotations.data() + 2 * d * d, layers[2].k_rotation.data(), size_t(d) * d * 4) == 0);
   }
-  SUBCASE("an unrotated cache uploads no rotation") {
+  SUBCASE("an unrotated cache uploads no rotation, and a layer's view keeps none") {
     for (auto& l : layers) l.k_rotation.clear(), l.v_rotation.clear();
     auto a = host::device_cache_arrays(config, layers);
     REQUIRE(a.ok());
     CHECK(a->k_rotations.empty());
     CHECK(a->v_rotations.empty());
+    AlignedBuffer pool_k(a->int2_pool_bytes), pool_v(a->int2_pool_bytes), bf_k(a->bf16_pool_bytes),
+        bf_v(a->bf16_pool_bytes), rank_k(16), rank_v(16);
+    auto view = host::layered_kv_pools(config, *a,
+                                       {pool_k.as<uint8_t>(), pool_v.as<uint8_t>(), bf_k.as<bf16_t>(),
+                                        bf_v.as<bf16_t>(), nullptr, nullptr, rank_k.as<int32_t>(),
+                                        rank_v.as<int32_t>()});
+    REQUIRE_MESSAGE(view.ok(), view.status().to_string());
+    const LayeredKvPools last = view->layer_view(2);
+    CHECK(last.k_rotation == nullptr);  // null stays null: no rotation, not an offset from null
+    CHECK(last.v_rotation == nullptr);
+    CHECK(last.k_int2.data == pool_k.as<uint8_t>() + 2 * a->int2_stride_layer);
+    CHECK(last.v_bf16.data == bf_v.as<bf16_t>() + 2 * a->bf16_stride_layer);
   }
 }
 

@@ -54,6 +54,25 @@ struct LayeredKvPools {
   // 17-32 (fitted V ratios ~0.87 at d = 128) ~20 % faster than the bitwise search. A wrong
   // value is only slower.
   int32_t max_clip_distance = -1;
+
+  // Layer `layer` alone, as a one-layer view: its pools, and its rotations and clip ranks where
+  // the set has them (a null rotation stays null: no rotation). What a per-layer launch, or
+  // attention over one layer (PagedKvRef's pools, q_rotation, output_unrotation), reads. The
+  // caller keeps 0 <= layer < num_layers.
+  LayeredKvPools layer_view(int32_t layer) const {
+    LayeredKvPools p = *this;
+    p.k_bf16.data += layer * bf16_stride_layer;
+    p.v_bf16.data += layer * bf16_stride_layer;
+    p.k_int2.data += layer * int2_stride_layer;
+    p.v_int2.data += layer * int2_stride_layer;
+    const int64_t rotation = int64_t{k_int2.layout.head_dim} * k_int2.layout.head_dim;
+    if (p.k_rotation) p.k_rotation += layer * rotation;
+    if (p.v_rotation) p.v_rotation += layer * rotation;
+    if (p.k_clip_rank) p.k_clip_rank += layer;
+    if (p.v_clip_rank) p.v_clip_rank += layer;
+    p.num_layers = 1;
+    return p;
+  }
 };
 
 // How far the clip threshold sits from a row's largest magnitude: the rank from the top,
