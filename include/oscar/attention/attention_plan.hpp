@@ -33,7 +33,8 @@ inline constexpr int kAttentionTileColumns = 8;
 // row-tiled threshold: speculative verification of 3-12 drafted tokens at g = 4) carry two
 // column tiles through each pass over the keys, at head dims up to
 // kAttentionPairedTilesMaxHeadDim: the two share every INT2 tile's copies and unpack, where
-// two single-tile passes each paid for them (AttentionPlanOptions::paired_column_tiles).
+// two single-tile passes each paid for them (AttentionPlanOptions::paired_column_tiles and
+// paired_max_chunks_per_tile: batches pair, one long request cut into many chunks does not).
 inline constexpr int kAttentionPairedTileColumns = 2 * kAttentionTileColumns;
 inline constexpr int kAttentionPairedTilesMaxHeadDim = 128;
 // Extend plans where some request has more than AttentionPlanOptions::row_tiled_min_rows rows
