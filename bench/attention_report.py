@@ -88,6 +88,12 @@ def main():
                 sdpa_us = sdpa.get(name)  # sdpa_baseline.py's BF16 extend of the same shape
                 if sdpa_us:
                     line += f"; vs SDPA on BF16 ({sdpa_us:.1f} us): {sdpa_us / row['real_time']:.2f}x"
+                # The same shape with single and with paired column tiles forced (the A/B of
+                # AttentionPlanOptions::paired_max_chunks_per_tile), where the run has them.
+                shape = name[len("extend/"):]
+                forced = [(kind, bench.get(f"extend_{kind}/{shape}")) for kind in ("single", "paired")]
+                if all(r for _, r in forced):
+                    line += "; " + ", ".join(f"{kind} tiles {r['real_time']:.1f} us" for kind, r in forced)
             print(line)
 
     import matplotlib
