@@ -307,6 +307,25 @@ OSCAR_DEVICE void int2_value_codes(const uint32_t (&vw)[4][LaneCodeWords<D>::kVW
   c89[6] = unpack_value_field<2, S>(xhi1); c89[7] = unpack_value_field<3, S>(xhi1);
 }
 
+// BF16 keys: the lane's rows r and r + 8 of a tile (zero past `valid` or in an absent half),
+// channels [32·b + 8j, 32·b + 8j + 8) of each block b of 32, straight from the pool. Both
+// kernels' BF16 tiles read their keys this way (as A operands in the decode kernel, B in the
+// row-tiled one).
+template <int D>
+OSCAR_DEVICE void load_bf16_keys(const Bf16PoolRef& kpool, int32_t head, const TileHalves& th, int valid, int lane,
+                                 uint4 (&krow)[2][D / 32]) {
+  const int r = lane / 4, j = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const bool ok = th.present[half] && r + 8 * half < valid;
+    const bf16_t* row = kpool.row(th.page[half], head, th.slot[half] + r);
+#pragma unroll
+    for (int blk = 0; blk < D / 32; ++blk) {
+      krow[half][blk] = ok ? __ldg(reinterpret_cast<const uint4*>(row + blk * 32 + 8 * j)) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // BF16 values: the lane's channels of tokens 2j, 2j+1, 2j+8, 2j+9 of a tile (zero past
 // `valid`), vw[token][field k][word], straight from the pool.
 template <int D>

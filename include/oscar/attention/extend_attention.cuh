@@ -380,18 +380,10 @@ OSCAR_DEVICE void extend_bf16_tile(RowState<D>& st, const float* qr0, const floa
                                    const Bf16PoolRef& vpool, int32_t head, const TileHalves& th, int32_t first_key,
                                    int valid, const int32_t (&q_pos)[2], float scale2, int lane) {
   constexpr int kVWords = D / 64;
-  const int r = lane / 4, j = lane % 4;
-  // Keys r and r + 8: channels [32·b + 8j, 32·b + 8j + 8) of each block b of 32.
+  const int j = lane % 4;
+  // Keys r and r + 8 (r = lane / 4): channels [32·b + 8j, 32·b + 8j + 8) of each block b of 32.
   uint4 krow[2][D / 32];
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const bool ok = th.present[n] && r + 8 * n < valid;
-    const bf16_t* row = kpool.row(th.page[n], head, th.slot[n] + r);
-#pragma unroll
-    for (int blk = 0; blk < D / 32; ++blk) {
-      krow[n][blk] = ok ? __ldg(reinterpret_cast<const uint4*>(row + blk * 32 + 8 * j)) : make_uint4(0, 0, 0, 0);
-    }
-  }
+  load_bf16_keys<D>(kpool, head, th, valid, lane, krow);
   uint32_t vw[4][4][kVWords];
   load_bf16_values<D>(vpool, head, th, valid, lane, vw);
   float acc[2][4] = {}, acc_lo[2][4] = {};

@@ -507,18 +507,9 @@ OSCAR_DEVICE void bf16_tile(WarpState<D> (&st)[NT], const uint4* qb, const Bf16P
                             bool subnormal_units, int lane) {
   constexpr int kVWords = D / 64;  // words per load of D/32 channels
   const int r = lane / 4;
-  const int j = lane % 4;
   const int valid = tc[0].valid;
   uint4 krow[2][D / 32];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const bool ok = th.present[half] && r + 8 * half < valid;
-    const bf16_t* row = kpool.row(th.page[half], head, th.slot[half] + r);
-#pragma unroll
-    for (int blk = 0; blk < D / 32; ++blk) {
-      krow[half][blk] = ok ? __ldg(reinterpret_cast<const uint4*>(row + blk * 32 + 8 * j)) : make_uint4(0, 0, 0, 0);
-    }
-  }
+  load_bf16_keys<D>(kpool, head, th, valid, lane, krow);
   // Values: channels value_channel(r, ·) of tokens 2j, 2j+1, 2j+8, 2j+9.
   uint32_t vw[4][4][kVWords];
   load_bf16_values<D>(vpool, head, th, valid, lane, vw);
