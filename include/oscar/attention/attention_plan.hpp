@@ -243,7 +243,6 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
 
   const int64_t int2_tile = attention_tile_bytes(shape, true);
   const int64_t bf16_tile = attention_tile_bytes(shape, false);
-  std::vector<int64_t> column_tiles(segments.size());
   std::vector<int64_t> request_bytes(segments.size());  // K and V of one KV head (each column tile reads them)
   std::vector<int64_t> request_rows(segments.size());   // query tokens x GQA group
   int64_t max_rows = 0;
@@ -279,15 +278,25 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
                        attention_tiles(s.recent) * bf16_tile;
   }
 
-  // Bytes per KV head over every column tile, and the work items one wave of the target holds.
-  auto total_bytes_of = [&](int64_t columns) {
-    int64_t total = 0;
-    for (size_t b = 0; b < segments.size(); ++b) total += request_bytes[b] * ((request_rows[b] + columns - 1) / columns);
-    return total;
-  };
-  auto target_items_of = [&](int32_t target) {
+  // Chunks per request for column tiles `tiles` (per request) and a target of blocks per SM:
+  // about chunk_bytes each (the bytes over every column tile spread over the work items one
+  // wave of the target holds), adjusted so that the blocks do not spill just past a whole wave
+  // of the target: a last wave of a few blocks costs nearly a whole block's time (H100,
+  // 2026-12-05: d = 128, B = 16, 32K at 0.97 waves 164 us, at 1.29 waves 219;
+  // wave_aligned_chunk_counts, docs/benchmarks.md).
+  auto chunk_counts = [&](std::span<const int64_t> tiles, int32_t target) {
     const int64_t blocks_per_sm = target > 0 ? target : kDefaultTargetBlocksPerSm;
-    return std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
+    const int64_t target_items = std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
+    int64_t total_bytes = 0;  // per KV head, over every column tile
+    for (size_t b = 0; b < segments.size(); ++b) total_bytes += request_bytes[b] * tiles[b];
+    const int64_t chunk_bytes = std::max(options.min_chunk_bytes, (total_bytes + target_items - 1) / target_items);
+    return wave_aligned_chunk_counts(request_bytes, tiles, chunk_bytes, options.min_chunk_bytes,
+                                     double(options.num_sms) * double(blocks_per_sm) / double(shape.num_kv_heads));
+  };
+  auto tiles_of = [&](int64_t columns) {
+    std::vector<int64_t> tiles(segments.size());
+    for (size_t b = 0; b < segments.size(); ++b) tiles[b] = (request_rows[b] + columns - 1) / columns;
+    return tiles;
   };
   // Paired tiles pay where a block streams a long chunk: the pass over the keys is then most
   // of its time, and sharing each tile's copies and unpack between two tiles saved a quarter of
@@ -297,42 +306,20 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   // d = 128: B = 1 Q = 4 44.8 -> 62.1 us, 24 chunks per tile; B = 16 Q = 4 271 -> 204, one
   // chunk per tile; docs/benchmarks.md).
   if (plan.paired_tiles()) {
-    std::vector<int64_t> single_tiles(segments.size());
-    double tiles = 0.0;
+    const std::vector<int64_t> single_tiles = tiles_of(kAttentionTileColumns);
+    const std::vector<int64_t> chunks = chunk_counts(single_tiles, options.target_blocks_per_sm);
+    double tiles = 0.0, items = 0.0;
     for (size_t b = 0; b < segments.size(); ++b) {
-      single_tiles[b] = (request_rows[b] + kAttentionTileColumns - 1) / kAttentionTileColumns;
       tiles += double(single_tiles[b]);
+      items += double(chunks[b]) * double(single_tiles[b]);
     }
-    const int64_t single_blocks = options.target_blocks_per_sm > 0 ? options.target_blocks_per_sm
-                                                                    : kDefaultTargetBlocksPerSm;
-    const int64_t single_items = target_items_of(options.target_blocks_per_sm);
-    const int64_t single_chunk =
-        std::max(options.min_chunk_bytes, (total_bytes_of(kAttentionTileColumns) + single_items - 1) / single_items);
-    const std::vector<int64_t> chunks =
-        wave_aligned_chunk_counts(request_bytes, single_tiles, single_chunk, options.min_chunk_bytes,
-                                  double(options.num_sms) * double(single_blocks) / double(shape.num_kv_heads));
-    double items = 0.0;
-    for (size_t b = 0; b < segments.size(); ++b) items += double(chunks[b]) * double(single_tiles[b]);
     if (items > double(options.paired_max_chunks_per_tile) * tiles) plan.tile_columns = kAttentionTileColumns;
   }
-  for (size_t b = 0; b < segments.size(); ++b) {
-    column_tiles[b] = (request_rows[b] + plan.tile_columns - 1) / plan.tile_columns;
-  }
-  const int64_t total_bytes = total_bytes_of(plan.tile_columns);
-  const int32_t target = plan.row_tiled()      ? options.target_extend_blocks_per_sm
-                         : plan.paired_tiles() ? options.target_paired_blocks_per_sm
-                                               : options.target_blocks_per_sm;
-  const int64_t target_items = target_items_of(target);
-  const int64_t blocks_per_sm = target > 0 ? target : kDefaultTargetBlocksPerSm;
-  const int64_t chunk_bytes = std::max(options.min_chunk_bytes, (total_bytes + target_items - 1) / target_items);
-
-  // Chunks per request, about chunk_bytes each, adjusted so that the blocks do not spill just
-  // past a whole wave of the target: a last wave of a few blocks costs nearly a whole block's
-  // time (H100, 2026-12-05: d = 128, B = 16, 32K at 0.97 waves 164 us, at 1.29 waves 219;
-  // wave_aligned_chunk_counts, docs/benchmarks.md).
+  const std::vector<int64_t> column_tiles = tiles_of(plan.tile_columns);
   const std::vector<int64_t> request_chunks =
-      wave_aligned_chunk_counts(request_bytes, column_tiles, chunk_bytes, options.min_chunk_bytes,
-                                double(options.num_sms) * double(blocks_per_sm) / double(shape.num_kv_heads));
+      chunk_counts(column_tiles, plan.row_tiled()      ? options.target_extend_blocks_per_sm
+                                 : plan.paired_tiles() ? options.target_paired_blocks_per_sm
+                                                       : options.target_blocks_per_sm);
 
   for (size_t b = 0; b < segments.size(); ++b) {
     const SegmentCounts& s = segments[b];
