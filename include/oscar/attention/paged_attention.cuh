@@ -1222,44 +1222,33 @@ inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_d
   AttentionPlanOptions options;
   OSCAR_RETURN_IF_ERROR(cuda_status(cudaDeviceGetAttribute(&options.num_sms, cudaDevAttrMultiProcessorCount, device),
                                     "attention_plan_options_for_device: SM count"));
+  // Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory (its limit
+  // raised to that first, as the launch does); `what` names the kernel in an error.
+  auto resident_blocks = [](auto kernel, int threads, size_t smem, const std::string& what, int& blocks) -> Status {
+    OSCAR_RETURN_IF_ERROR(
+        cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                    ("attention_plan_options_for_device: " + what + "shared memory attribute").c_str()));
+    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem),
+                       ("attention_plan_options_for_device: " + what + "occupancy").c_str());
+  };
   int resident = 0;
-  OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
-    const size_t smem = SharedLayout<D>::bytes;
-    OSCAR_RETURN_IF_ERROR(cuda_status(
-        cudaFuncSetAttribute(paged_attention_kernel<D, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-        "attention_plan_options_for_device: shared memory attribute"));
-    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, paged_attention_kernel<D, 1>,
-                                                                     KernelConfig<D>::kThreads, smem),
-                       "attention_plan_options_for_device: occupancy");
-  }));
-  options.target_blocks_per_sm = std::max(1, resident);
   int paired_resident = 0;  // stays 0 where the kernel has no paired column tiles (d = 256)
-  OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
-    if constexpr (D <= kAttentionPairedTilesMaxHeadDim) {
-      const size_t smem = SharedLayout<D, 2>::bytes;
-      OSCAR_RETURN_IF_ERROR(cuda_status(
-          cudaFuncSetAttribute(paged_attention_kernel<D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-          "attention_plan_options_for_device: paired-tile shared memory attribute"));
-      return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&paired_resident, paged_attention_kernel<D, 2>,
-                                                                       KernelConfig<D, 2>::kThreads, smem),
-                         "attention_plan_options_for_device: paired-tile occupancy");
-    }
-    return Status::Ok();
-  }));
-  options.target_paired_blocks_per_sm = std::max(1, paired_resident);
   int extend_resident = 0;  // stays 0 where no row-tiled kernel exists (d = 256)
   OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
+    OSCAR_RETURN_IF_ERROR(
+        resident_blocks(paged_attention_kernel<D, 1>, KernelConfig<D>::kThreads, SharedLayout<D>::bytes, "", resident));
+    if constexpr (D <= kAttentionPairedTilesMaxHeadDim) {
+      OSCAR_RETURN_IF_ERROR(resident_blocks(paged_attention_kernel<D, 2>, KernelConfig<D, 2>::kThreads,
+                                            SharedLayout<D, 2>::bytes, "paired-tile ", paired_resident));
+    }
     if constexpr (D <= kAttentionRowTiledMaxHeadDim) {
-      const size_t smem = ExtendLayout<D>::bytes;
-      OSCAR_RETURN_IF_ERROR(cuda_status(
-          cudaFuncSetAttribute(extend_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-          "attention_plan_options_for_device: extend shared memory attribute"));
-      return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&extend_resident, extend_attention_kernel<D>,
-                                                                       kExtendThreads, smem),
-                         "attention_plan_options_for_device: extend occupancy");
+      OSCAR_RETURN_IF_ERROR(resident_blocks(extend_attention_kernel<D>, kExtendThreads, ExtendLayout<D>::bytes,
+                                            "extend ", extend_resident));
     }
     return Status::Ok();
   }));
+  options.target_blocks_per_sm = std::max(1, resident);
+  options.target_paired_blocks_per_sm = std::max(1, paired_resident);
   options.target_extend_blocks_per_sm = std::max(1, extend_resident);
   return options;
 }
