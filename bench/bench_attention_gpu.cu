@@ -39,10 +39,10 @@ struct HostTable {
   std::vector<int32_t> indptr{0}, indices, last;
 };
 
-// A batch of B requests of L tokens each, pages in shuffled order, random contents.
 // Paired column tiles for an extend: as the plan chooses, never, or whatever the chunk count.
 enum { kPairedByPlan, kPairedNever, kPairedAlways };
 
+// A batch of B requests of L tokens each, pages in shuffled order, random contents.
 struct Problem {
   AttentionShape shape;
   AttentionPlan plan;
@@ -191,9 +191,7 @@ struct Problem {
       std::exit(1);
     }
     plan = std::move(made).value();
-    blocks_per_sm = plan.row_tiled()      ? options.target_extend_blocks_per_sm
-                    : plan.paired_tiles() ? options.target_paired_blocks_per_sm
-                                          : options.target_blocks_per_sm;
+    blocks_per_sm = plan_target_blocks_per_sm(plan, options);
     check(cudaMalloc(&workspace, plan.workspace_bytes()), "workspace");
     allocations.push_back(workspace);
     const Status up = upload_attention_plan(plan, workspace, plan.workspace_bytes());

@@ -146,6 +146,14 @@ struct AttentionPlan {
   }
 };
 
+// The blocks per SM a plan of this kind aims for: the target of the kernel that runs it (0:
+// kDefaultTargetBlocksPerSm).
+inline int32_t plan_target_blocks_per_sm(const AttentionPlan& plan, const AttentionPlanOptions& options) {
+  return plan.row_tiled()      ? options.target_extend_blocks_per_sm
+         : plan.paired_tiles() ? options.target_paired_blocks_per_sm
+                               : options.target_blocks_per_sm;
+}
+
 OSCAR_HOST_DEVICE constexpr int64_t attention_tiles(int64_t tokens) {
   return (tokens + kAttentionTileTokens - 1) / kAttentionTileTokens;
 }
@@ -316,10 +324,7 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
     if (items > double(options.paired_max_chunks_per_tile) * tiles) plan.tile_columns = kAttentionTileColumns;
   }
   const std::vector<int64_t> column_tiles = tiles_of(plan.tile_columns);
-  const std::vector<int64_t> request_chunks =
-      chunk_counts(column_tiles, plan.row_tiled()      ? options.target_extend_blocks_per_sm
-                                 : plan.paired_tiles() ? options.target_paired_blocks_per_sm
-                                                       : options.target_blocks_per_sm);
+  const std::vector<int64_t> request_chunks = chunk_counts(column_tiles, plan_target_blocks_per_sm(plan, options));
 
   for (size_t b = 0; b < segments.size(); ++b) {
     const SegmentCounts& s = segments[b];
