@@ -53,11 +53,21 @@ struct Problem {
   std::vector<void*> allocations;
 
   Problem(int batch, int64_t length, int hq, int hkv, int d, int page, bool int2, int sink, int recent,
-          int queries = 0, int paired = kPairedByPlan) {
+          int queries = 0, int paired = kPairedByPlan)
+      : Problem(std::vector<int64_t>(batch, length), std::vector<int32_t>(queries > 0 ? batch : 0, queries), hq, hkv,
+                d, page, int2, sink, recent, paired) {}
+
+  // Request b holds length_of[b] cached tokens, its last queries_of[b] the queries (empty:
+  // decode); split_mixed: AttentionPlanOptions::split_mixed_batches.
+  Problem(const std::vector<int64_t>& length_of, const std::vector<int32_t>& queries_of, int hq, int hkv, int d,
+          int page, bool int2, int sink, int recent, int paired = kPairedByPlan, bool split_mixed = true) {
     shape = {hq, hkv, d, d, page};
     std::mt19937_64 rng(7);
-    std::vector<SegmentCounts> lengths(batch, int2 ? segment_counts(length, sink, recent, page)
-                                                    : SegmentCounts{length, 0, 0});
+    const int batch = static_cast<int>(length_of.size());
+    std::vector<SegmentCounts> lengths;
+    for (int64_t length : length_of) {
+      lengths.push_back(int2 ? segment_counts(length, sink, recent, page) : SegmentCounts{length, 0, 0});
+    }
     HostTable t[3];
     int32_t pages[2] = {0, 0};  // BF16, INT2
     for (int b = 0; b < batch; ++b) {
@@ -139,8 +149,10 @@ struct Problem {
                   static_cast<int32_t*>(keep(device_copy(t[s].indices))),
                   static_cast<int32_t*>(keep(device_copy(t[s].last))), batch, page};
     }
-    // Decode (queries = 0): one query token per request; extend: the last `queries` tokens.
-    std::vector<bf16_t> q(size_t(batch) * std::max(1, queries) * hq * d);
+    // Decode (no queries_of): one query token per request; extend: the last queries_of[b] tokens.
+    const bool decode = queries_of.empty();
+    const int64_t query_rows = decode ? batch : std::accumulate(queries_of.begin(), queries_of.end(), int64_t{0});
+    std::vector<bf16_t> q(size_t(query_rows) * hq * d);
     for (auto& x : q) x = float_to_bf16(normal(rng));
     params.num_qo_heads = hq;
     params.q = static_cast<bf16_t*>(keep(device_copy(q)));
@@ -155,10 +167,10 @@ struct Problem {
     if (engine_rotated == 1 || engine_rotated == 2) params.q_rotation = nullptr;
     if (engine_rotated == 1 || engine_rotated == 3) params.output_unrotation = nullptr;
 
-    const std::vector<int32_t> query_tokens(queries > 0 ? batch : 0, queries);
-    if (queries > 0) {  // extend: request b's query rows are b*Q .. (b+1)*Q
-      std::vector<int32_t> qo_indptr(size_t(batch) + 1);
-      for (int b = 0; b <= batch; ++b) qo_indptr[size_t(b)] = b * queries;
+    const std::vector<int32_t>& query_tokens = queries_of;
+    if (!decode) {  // extend: request b's query rows follow request b - 1's
+      std::vector<int32_t> qo_indptr{0};
+      for (int32_t n : queries_of) qo_indptr.push_back(qo_indptr.back() + n);
       params.qo_indptr = static_cast<int32_t*>(keep(device_copy(qo_indptr)));
     }
     // The device's SM count and resident blocks; OSCAR_BENCH_BLOCKS_PER_SM overrides the
@@ -185,6 +197,7 @@ struct Problem {
     }
     options.paired_column_tiles = paired != kPairedNever;
     if (paired == kPairedAlways) options.paired_max_chunks_per_tile = INT32_MAX;
+    options.split_mixed_batches = split_mixed;
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
@@ -268,15 +281,21 @@ void print_timeline(const char* what, int blocks) {
 }
 #endif
 
+// The counters every attention benchmark reports, after its timing.
+void report(benchmark::State& state, const Problem& problem) {
+  const double gbps = state.counters["GB/s"];
+  if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
+  state.counters["items"] = double(problem.plan.total_items());
+  if (problem.plan.column_part) state.counters["column part items"] = double(problem.plan.column_part->items.size());
+  state.counters["blocks/SM"] = double(problem.blocks_per_sm);
+  state.counters["columns/tile"] = double(problem.plan.tile_columns);
+}
+
 void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, int hkv, int d, int page, bool int2,
                   int queries, int paired) {
   Problem problem(batch, length, hq, hkv, d, page, int2, 64, 256, queries, paired);
   oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
-  const double gbps = state.counters["GB/s"];
-  if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
-  state.counters["items"] = double(problem.plan.items.size());
-  state.counters["blocks/SM"] = double(problem.blocks_per_sm);
-  state.counters["columns/tile"] = double(problem.plan.tile_columns);
+  report(state, problem);
   if (problem.plan.row_tiled()) {
     // Whether the row-tiled path's extend and merge kernels start as programmatic dependents.
     bool pdl = false;
@@ -291,6 +310,20 @@ void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, in
     print_timeline(what.c_str(), int(problem.plan.items.size()) * hkv);
   }
 #endif
+}
+
+// A continuous-batching step with chunked prefill: one request appends a chunk of `chunk` tokens
+// to a 32K prefix while `decodes` others decode one token each over `decode_length` tokens,
+// hq32/hkv8/d128, page 16. split_mixed: the decodes on the column kernel after the row-tiled
+// kernel (AttentionPlan::column_part), or the whole batch on the row-tiled kernel.
+void BM_MixedBatch(benchmark::State& state, int decodes, int64_t decode_length, int chunk, bool split_mixed) {
+  std::vector<int64_t> length_of(size_t(decodes) + 1, decode_length);
+  std::vector<int32_t> queries_of(size_t(decodes) + 1, 1);
+  length_of[0] = 32768 + chunk;
+  queries_of[0] = chunk;
+  Problem problem(length_of, queries_of, 32, 8, 128, 16, true, 64, 256, kPairedByPlan, split_mixed);
+  oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
+  report(state, problem);
 }
 
 }  // namespace
@@ -364,6 +397,32 @@ int main(int argc, char** argv) {
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }
+  }
+  // Mixed batches (chunked prefill beside decodes): split in two launches as planned, and the
+  // whole batch on the row-tiled kernel; the prefill chunk alone and the decodes alone (an
+  // extend of one token each) in the same run, for the sum the split should approach.
+  struct Mixed {
+    int decodes;
+    int64_t decode_length;
+    int chunk;
+  };
+  for (const Mixed& m : {Mixed{31, 8192, 512}, Mixed{63, 8192, 64}, Mixed{15, 32768, 512}}) {
+    const std::string shape = "/hq32_hkv8_d128/chunk" + std::to_string(m.chunk) + "_L32768+B" +
+                              std::to_string(m.decodes) + "_L" + std::to_string(m.decode_length);
+    for (const bool split : {true, false}) {
+      benchmark::RegisterBenchmark(((split ? "mixed" : "mixed_whole") + shape).c_str(), BM_MixedBatch, m.decodes,
+                                   m.decode_length, m.chunk, split)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
+    benchmark::RegisterBenchmark(("mixed_decodes_alone" + shape).c_str(), BM_Attention, m.decodes, m.decode_length,
+                                 32, 8, 128, 16, true, 1, kPairedByPlan)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("mixed_chunk_alone" + shape).c_str(), BM_Attention, 1, int64_t{32768} + m.chunk, 32,
+                                 8, 128, 16, true, m.chunk, kPairedByPlan)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

@@ -91,9 +91,13 @@ TEST_CASE("chunks cover every tile once, in order") {
 
   // 80 rows in one request: the row-tiled kernel's 64-row tiles (two for that request, one for
   // each other), no arrival counters, and room for the rotated queries (27 tokens x 32 heads).
+  // (Unsplit: the next test case checks where a mixed batch is split.)
   const std::vector<int32_t> many = {1, 20, 4, 2};
-  auto rows = make_attention_plan(headline(), lengths, many);
+  AttentionPlanOptions whole;
+  whole.split_mixed_batches = false;
+  auto rows = make_attention_plan(headline(), lengths, many, whole);
   REQUIRE(rows.ok());
+  CHECK(!rows->column_part);
   CHECK(rows->row_tiled());
   CHECK(rows->tile_columns == kAttentionRowTile);
   CHECK(rows->num_query_tokens == 27);
@@ -115,6 +119,7 @@ TEST_CASE("chunks cover every tile once, in order") {
   wide.head_dim = wide.quant_group_size = 256;
   auto d256 = make_attention_plan(wide, lengths, many);
   REQUIRE(d256.ok());
+  CHECK(!d256->column_part);
   CHECK(!d256->row_tiled());
   CHECK(d256->tile_columns == kAttentionTileColumns);  // no paired tiles above d = 128 either
   check_cover(*d256, lengths, many);
@@ -129,6 +134,85 @@ TEST_CASE("chunks cover every tile once, in order") {
   REQUIRE(off_single.ok());
   CHECK(off_single->tile_columns == kAttentionTileColumns);
   check_cover(*off_single, lengths, many);
+}
+
+TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column tiles after them") {
+  // Continuous batching with chunked prefill: one request appends a 512-token chunk to a 32K
+  // prefix, 31 others decode over 8K (4 rows each). Unsplit, the row-tiled kernel would give
+  // each decode a 64-row tile of which 4 rows are used; split, they run on the column kernel.
+  std::vector<SegmentCounts> lengths(32, SegmentCounts{64, 8192 - 320, 256});
+  lengths[5] = SegmentCounts{64, 32768 - 320, 256 + 512};
+  std::vector<int32_t> queries(32, 1);
+  queries[5] = 512;
+  auto plan = make_attention_plan(headline(), lengths, queries);
+  REQUIRE(plan.ok());
+  REQUIRE(plan->column_part);
+  const AttentionPlan& part = *plan->column_part;
+  CHECK(plan->row_tiled());
+  CHECK(part.tile_columns == kAttentionTileColumns);  // 4 rows per request: one tile, unpaired
+  CHECK(!part.column_part);
+  CHECK(!part.decode);
+  CHECK(part.batch_size == plan->batch_size);
+  CHECK(part.num_query_tokens == plan->num_query_tokens);
+  // Each part covers its own requests (the others' query counts zeroed) and nothing else.
+  std::vector<int32_t> long_only(32, 0), short_only = queries;
+  long_only[5] = 512;
+  short_only[5] = 0;
+  check_cover(*plan, lengths, long_only);
+  check_cover(part, lengths, short_only);
+  CHECK(plan->total_items() == plan->items.size() + part.items.size());
+  CHECK(plan->workspace_bytes() == plan->own_workspace_bytes() + part.workspace_bytes());
+  CHECK(plan->own_workspace_bytes() % 256 == 0);
+  CHECK(plan->num_counters == 0);  // the row-tiled kernel merges in its own launch
+
+  // Short requests of 3 new tokens (12 rows) run paired column tiles in their part.
+  std::vector<int32_t> verify = queries;
+  for (size_t b = 0; b < verify.size(); ++b) verify[b] = b == 5 ? 512 : 3;
+  auto paired = make_attention_plan(headline(), lengths, verify);
+  REQUIRE(paired.ok());
+  REQUIRE(paired->column_part);
+  CHECK(paired->column_part->paired_tiles());
+
+  // The option off, or short requests that read less than mixed_split_min_bytes (over every KV
+  // head): one row-tiled plan over the whole batch.
+  AttentionPlanOptions off;
+  off.split_mixed_batches = false;
+  auto whole = make_attention_plan(headline(), lengths, queries, off);
+  REQUIRE(whole.ok());
+  CHECK(!whole->column_part);
+  CHECK(whole->row_tiled());
+  check_cover(*whole, lengths, queries);
+  AttentionPlanOptions high;
+  int64_t short_bytes = 0;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    if (b == 5) continue;
+    const AttentionShape h = headline();
+    short_bytes += h.num_kv_heads * (attention_tiles(lengths[b].sink) * attention_tile_bytes(h, false) +
+                                     attention_tiles(lengths[b].int2) * attention_tile_bytes(h, true) +
+                                     attention_tiles(lengths[b].recent) * attention_tile_bytes(h, false));
+  }
+  high.mixed_split_min_bytes = short_bytes + 1;
+  auto below = make_attention_plan(headline(), lengths, queries, high);
+  REQUIRE(below.ok());
+  CHECK(!below->column_part);
+  high.mixed_split_min_bytes = short_bytes;
+  auto at = make_attention_plan(headline(), lengths, queries, high);
+  REQUIRE(at.ok());
+  CHECK(at->column_part);
+
+  // Every request long, or every request short: nothing to split. d = 256 has no row-tiled
+  // kernel: one column plan.
+  std::vector<int32_t> all_long(32, 16);
+  auto longs = make_attention_plan(headline(), lengths, all_long);
+  REQUIRE(longs.ok());
+  CHECK(!longs->column_part);
+  CHECK(longs->row_tiled());
+  AttentionShape wide = headline();
+  wide.head_dim = wide.quant_group_size = 256;
+  auto d256 = make_attention_plan(wide, lengths, queries);
+  REQUIRE(d256.ok());
+  CHECK(!d256->column_part);
+  check_cover(*d256, lengths, queries);
 }
 
 TEST_CASE("paired tiles where the single-tile plan would cut few chunks per tile") {

@@ -336,6 +336,25 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     AttentionPlanOptions single = columns;  // each 8-column tile its own pass
     single.paired_column_tiles = false;
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = single}));
+    // The mixed batch split in two parts (split however few bytes the short requests read):
+    // request 2 on the row-tiled kernel, requests 0 and 1 on the column kernel after it
+    // (paired at g = 8: 40 rows), each part with its own items, counters and partial states.
+    AttentionPlanOptions split;
+    split.mixed_split_min_bytes = 0;
+    {
+      auto tables = cache.page_tables(ids);
+      REQUIRE(tables.ok());
+      const AttentionShape shape{s.hq, s.hkv, s.d, s.d, s.page};
+      auto plan = make_attention_plan(shape, segment_lengths(*tables), n_new, split);
+      REQUIRE(plan.ok());
+      CHECK((plan->column_part != nullptr) == (s.d <= kAttentionRowTiledMaxHeadDim));
+    }
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = split}));
+    check(run_and_compare(cache, ids, n_new, qgen, {.kernel_rotates = false, .plan = split}));
+    AttentionPlanOptions split_many = many;
+    split_many.mixed_split_min_bytes = 0;
+    split_many.paired_max_chunks_per_tile = INT32_MAX;
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = split_many, .replays = 2, .via_graph = true}));
   }
 }
 

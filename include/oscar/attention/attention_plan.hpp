@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -88,6 +89,14 @@ struct AttentionPlanOptions {
   // (make_attention_plan says why). Between the measured points (H100, 32K): 5.5 and 1 won
   // (d = 64 B = 16, d = 128 B = 16), 12 and 24 lost (d = 128 B = 1, Q = 8 and 4).
   int32_t paired_max_chunks_per_tile = 8;
+  // Mixed batches (continuous batching with chunked prefill: a few requests above
+  // row_tiled_min_rows, the others decoding or verifying a few tokens): the short requests run
+  // on the column kernel as AttentionPlan::column_part, a second launch, where the row-tiled
+  // kernel would give each of them a 64-row tile with g of its rows used. Split only where the
+  // short requests read at least mixed_split_min_bytes of K and V (over every KV head): below
+  // that a second kernel's launch and wave cost more than the row-tiled kernel spends on them.
+  bool split_mixed_batches = true;
+  int64_t mixed_split_min_bytes = int64_t{1} << 20;
 };
 
 inline constexpr int32_t kDefaultTargetBlocksPerSm = 2;
@@ -122,13 +131,21 @@ struct AttentionPlan {
   int32_t tile_columns = kAttentionTileColumns;
   int64_t num_query_tokens = 0;  // over the batch
 
+  // A mixed batch's short requests (AttentionPlanOptions::split_mixed_batches): a plan of the
+  // same batch whose items cover only them, on the column kernel, launched by paged_attention
+  // after this plan's row-tiled kernels; this plan's items then cover only the long requests.
+  // Null otherwise. Its workspace follows this plan's own.
+  std::shared_ptr<const AttentionPlan> column_part;
+
   bool row_tiled() const { return tile_columns == kAttentionRowTile; }
   bool paired_tiles() const { return tile_columns == kAttentionPairedTileColumns; }
+  // Work items over both parts (the thread blocks of one run, KV heads aside).
+  size_t total_items() const { return items.size() + (column_part ? column_part->items.size() : 0); }
 
   // Workspace layout (device, 256-byte aligned parts): work items, arrival counters, partial
   // outputs [items][kv_heads][tile_columns][head_dim] float, partial lse
   // [items][kv_heads][tile_columns] float, and for row-tiled plans the rotated queries
-  // [num_query_tokens][num_qo_heads][head_dim] float.
+  // [num_query_tokens][num_qo_heads][head_dim] float; then the column part's workspace.
   static constexpr size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
   size_t items_bytes() const { return align(items.size() * sizeof(AttentionWorkItem)); }
   size_t counters_bytes() const { return align(size_t(num_counters) * shape.num_kv_heads * sizeof(int32_t)); }
@@ -141,8 +158,12 @@ struct AttentionPlan {
   size_t rotated_q_bytes() const {
     return row_tiled() ? align(size_t(num_query_tokens) * shape.num_qo_heads * shape.head_dim * sizeof(float)) : 0;
   }
-  size_t workspace_bytes() const {
+  // This plan's own parts (the column part's workspace starts here).
+  size_t own_workspace_bytes() const {
     return items_bytes() + counters_bytes() + partial_o_bytes() + partial_lse_bytes() + rotated_q_bytes();
+  }
+  size_t workspace_bytes() const {
+    return own_workspace_bytes() + (column_part ? column_part->workspace_bytes() : 0);
   }
 };
 
@@ -229,61 +250,25 @@ inline std::vector<int64_t> wave_aligned_chunk_counts(std::span<const int64_t> r
   return best;
 }
 
-// Plans attention for a batch whose request b has segments[b] cached tokens (sink, INT2,
-// recent; the INT2 count a multiple of page_size) and query_tokens[b] query tokens (its
-// newest cached tokens, causal). An empty query_tokens means decode: one query per request.
-inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, std::span<const SegmentCounts> segments,
-                                                 std::span<const int32_t> query_tokens = {},
-                                                 const AttentionPlanOptions& options = {}) {
-  OSCAR_RETURN_IF_ERROR(validate(shape));
-  if (!query_tokens.empty() && query_tokens.size() != segments.size()) {
-    return invalid_argument("query_tokens has " + std::to_string(query_tokens.size()) + " entries for " +
-                            std::to_string(segments.size()) + " requests");
-  }
-  if (options.num_sms <= 0) return invalid_argument("num_sms must be positive");
-  if (options.min_chunk_bytes <= 0) {
-    return invalid_argument("min_chunk_bytes must be positive (it is " + std::to_string(options.min_chunk_bytes) + ")");
-  }
-  AttentionPlan plan;
-  plan.shape = shape;
-  plan.batch_size = static_cast<int32_t>(segments.size());
-  plan.decode = query_tokens.empty();
+namespace attention_plan_detail {
 
+// Fills plan.tile_columns and plan.items for the requests with request_rows[b] > 0 (query
+// tokens x GQA group; decode: the group), request_bytes[b] the K and V bytes of request b's
+// tiles for one KV head. The kernel follows the largest request: the row-tiled one above
+// row_tiled_min_rows rows, paired column tiles above one tile's columns, else single tiles.
+inline Status plan_items(AttentionPlan& plan, std::span<const SegmentCounts> segments,
+                         std::span<const int64_t> request_rows, std::span<const int64_t> request_bytes,
+                         const AttentionPlanOptions& options) {
+  const AttentionShape& shape = plan.shape;
   const int64_t int2_tile = attention_tile_bytes(shape, true);
   const int64_t bf16_tile = attention_tile_bytes(shape, false);
-  std::vector<int64_t> request_bytes(segments.size());  // K and V of one KV head (each column tile reads them)
-  std::vector<int64_t> request_rows(segments.size());   // query tokens x GQA group
-  int64_t max_rows = 0;
-  for (size_t b = 0; !plan.decode && b < segments.size(); ++b) {
-    max_rows = std::max<int64_t>(max_rows, int64_t{query_tokens[b]} * shape.group_size());
-  }
+  const int64_t max_rows = plan.decode ? 0 : *std::max_element(request_rows.begin(), request_rows.end());
+  plan.tile_columns = kAttentionTileColumns;
   if (!plan.decode && shape.head_dim <= kAttentionRowTiledMaxHeadDim && max_rows > options.row_tiled_min_rows) {
     plan.tile_columns = kAttentionRowTile;
   } else if (!plan.decode && options.paired_column_tiles && shape.head_dim <= kAttentionPairedTilesMaxHeadDim &&
              max_rows > kAttentionTileColumns) {
     plan.tile_columns = kAttentionPairedTileColumns;
-  }
-  for (size_t b = 0; b < segments.size(); ++b) {
-    const SegmentCounts& s = segments[b];
-    if (s.sink < 0 || s.int2 < 0 || s.recent < 0 || s.int2 % shape.page_size != 0) {
-      return invalid_argument("request " + std::to_string(b) + ": segment lengths must be >= 0 and the INT2 "
-                              "segment whole pages of " + std::to_string(shape.page_size));
-    }
-    const int64_t length = s.sink + s.int2 + s.recent;
-    if (length > int64_t{INT32_MAX}) {
-      return invalid_argument("request " + std::to_string(b) + " has " + std::to_string(length) +
-                              " cached tokens; GPU attention supports at most 2^31 - 1 per request");
-    }
-    const int64_t queries = plan.decode ? 1 : query_tokens[b];
-    if (queries < 0 || queries > length || (plan.decode && length == 0)) {
-      return invalid_argument("request " + std::to_string(b) + " has " + std::to_string(queries) +
-                              " query tokens but " + std::to_string(length) +
-                              " cached tokens (queries are the newest cached tokens)");
-    }
-    plan.num_query_tokens += queries;
-    request_rows[b] = queries * shape.group_size();
-    request_bytes[b] = attention_tiles(s.sink) * bf16_tile + attention_tiles(s.int2) * int2_tile +
-                       attention_tiles(s.recent) * bf16_tile;
   }
 
   // Chunks per request for column tiles `tiles` (per request) and a target of blocks per SM:
@@ -327,6 +312,7 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
   const std::vector<int64_t> request_chunks = chunk_counts(column_tiles, plan_target_blocks_per_sm(plan, options));
 
   for (size_t b = 0; b < segments.size(); ++b) {
+    if (column_tiles[b] == 0) continue;  // a request of the other part, or of no query tokens
     const SegmentCounts& s = segments[b];
     const int32_t tiles[3] = {static_cast<int32_t>(attention_tiles(s.sink)),
                               static_cast<int32_t>(attention_tiles(s.int2)),
@@ -367,6 +353,88 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
     }
   }
   if (plan.items.size() > size_t{INT32_MAX}) return invalid_argument("attention plan: too many work items");
+  return Status::Ok();
+}
+
+}  // namespace attention_plan_detail
+
+// Plans attention for a batch whose request b has segments[b] cached tokens (sink, INT2,
+// recent; the INT2 count a multiple of page_size) and query_tokens[b] query tokens (its
+// newest cached tokens, causal). An empty query_tokens means decode: one query per request.
+// A mixed extend batch (some requests above row_tiled_min_rows rows, others below) is planned
+// as two parts (AttentionPlanOptions::split_mixed_batches, AttentionPlan::column_part).
+inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, std::span<const SegmentCounts> segments,
+                                                 std::span<const int32_t> query_tokens = {},
+                                                 const AttentionPlanOptions& options = {}) {
+  OSCAR_RETURN_IF_ERROR(validate(shape));
+  if (!query_tokens.empty() && query_tokens.size() != segments.size()) {
+    return invalid_argument("query_tokens has " + std::to_string(query_tokens.size()) + " entries for " +
+                            std::to_string(segments.size()) + " requests");
+  }
+  if (options.num_sms <= 0) return invalid_argument("num_sms must be positive");
+  if (options.min_chunk_bytes <= 0) {
+    return invalid_argument("min_chunk_bytes must be positive (it is " + std::to_string(options.min_chunk_bytes) + ")");
+  }
+  AttentionPlan plan;
+  plan.shape = shape;
+  plan.batch_size = static_cast<int32_t>(segments.size());
+  plan.decode = query_tokens.empty();
+
+  const int64_t int2_tile = attention_tile_bytes(shape, true);
+  const int64_t bf16_tile = attention_tile_bytes(shape, false);
+  std::vector<int64_t> request_bytes(segments.size());  // K and V of one KV head (each column tile reads them)
+  std::vector<int64_t> request_rows(segments.size());   // query tokens x GQA group
+  for (size_t b = 0; b < segments.size(); ++b) {
+    const SegmentCounts& s = segments[b];
+    if (s.sink < 0 || s.int2 < 0 || s.recent < 0 || s.int2 % shape.page_size != 0) {
+      return invalid_argument("request " + std::to_string(b) + ": segment lengths must be >= 0 and the INT2 "
+                              "segment whole pages of " + std::to_string(shape.page_size));
+    }
+    const int64_t length = s.sink + s.int2 + s.recent;
+    if (length > int64_t{INT32_MAX}) {
+      return invalid_argument("request " + std::to_string(b) + " has " + std::to_string(length) +
+                              " cached tokens; GPU attention supports at most 2^31 - 1 per request");
+    }
+    const int64_t queries = plan.decode ? 1 : query_tokens[b];
+    if (queries < 0 || queries > length || (plan.decode && length == 0)) {
+      return invalid_argument("request " + std::to_string(b) + " has " + std::to_string(queries) +
+                              " query tokens but " + std::to_string(length) +
+                              " cached tokens (queries are the newest cached tokens)");
+    }
+    plan.num_query_tokens += queries;
+    request_rows[b] = queries * shape.group_size();
+    request_bytes[b] = attention_tiles(s.sink) * bf16_tile + attention_tiles(s.int2) * int2_tile +
+                       attention_tiles(s.recent) * bf16_tile;
+  }
+
+  if (segments.empty()) return plan;
+
+  // A mixed batch: the long requests on the row-tiled kernel, the short ones on the column
+  // kernel (each part's chunks sized for its own kernel's waves, as the parts run one after
+  // the other).
+  const int64_t max_rows = *std::max_element(request_rows.begin(), request_rows.end());
+  if (!plan.decode && options.split_mixed_batches && shape.head_dim <= kAttentionRowTiledMaxHeadDim &&
+      max_rows > options.row_tiled_min_rows) {
+    std::vector<int64_t> long_rows(segments.size()), short_rows(segments.size());
+    int64_t short_bytes = 0;  // over every KV head
+    for (size_t b = 0; b < segments.size(); ++b) {
+      const bool is_long = request_rows[b] > options.row_tiled_min_rows;
+      (is_long ? long_rows : short_rows)[b] = request_rows[b];
+      if (!is_long && request_rows[b] > 0) short_bytes += request_bytes[b] * shape.num_kv_heads;
+    }
+    if (short_bytes > 0 && short_bytes >= options.mixed_split_min_bytes) {
+      AttentionPlan part;
+      part.shape = plan.shape;
+      part.batch_size = plan.batch_size;
+      part.decode = false;
+      part.num_query_tokens = plan.num_query_tokens;
+      OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(part, segments, short_rows, request_bytes, options));
+      OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(plan, segments, long_rows, request_bytes, options));
+      plan.column_part = std::make_shared<const AttentionPlan>(std::move(part));
+      return plan;
+    }
+  }
+  OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(plan, segments, request_rows, request_bytes, options));
   return plan;
 }
 

@@ -1208,121 +1208,13 @@ inline Status check_workspace(const AttentionPlan& plan, const void* workspace, 
   return Status::Ok();
 }
 
-}  // namespace attention_detail
-
-// Plan options for the current device and head_dim: its SM count and the number of blocks
-// of the kernel that are resident per SM (registers and shared memory decide it), so the plan
-// makes whole waves. Measured on the H200 at d = 128 (1 resident block): a plan assuming 2
-// made 2.91 waves and took 565 us where a plan of 1 block per SM took 469 us
-// (docs/benchmarks.md). Host-side, call once at start-up, not per step.
-inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_dim) {
-  using namespace attention_detail;
-  int device = 0;
-  OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "attention_plan_options_for_device: cudaGetDevice"));
-  AttentionPlanOptions options;
-  OSCAR_RETURN_IF_ERROR(cuda_status(cudaDeviceGetAttribute(&options.num_sms, cudaDevAttrMultiProcessorCount, device),
-                                    "attention_plan_options_for_device: SM count"));
-  // Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory (its limit
-  // raised to that first, as the launch does); `what` names the kernel in an error.
-  auto resident_blocks = [](auto kernel, int threads, size_t smem, const std::string& what, int& blocks) -> Status {
-    OSCAR_RETURN_IF_ERROR(
-        cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                    ("attention_plan_options_for_device: " + what + "shared memory attribute").c_str()));
-    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem),
-                       ("attention_plan_options_for_device: " + what + "occupancy").c_str());
-  };
-  int resident = 0;
-  int paired_resident = 0;  // stays 0 where the kernel has no paired column tiles (d = 256)
-  int extend_resident = 0;  // stays 0 where no row-tiled kernel exists (d = 256)
-  OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
-    OSCAR_RETURN_IF_ERROR(
-        resident_blocks(paged_attention_kernel<D, 1>, KernelConfig<D>::kThreads, SharedLayout<D>::bytes, "", resident));
-    if constexpr (D <= kAttentionPairedTilesMaxHeadDim) {
-      OSCAR_RETURN_IF_ERROR(resident_blocks(paged_attention_kernel<D, 2>, KernelConfig<D, 2>::kThreads,
-                                            SharedLayout<D, 2>::bytes, "paired-tile ", paired_resident));
-    }
-    if constexpr (D <= kAttentionRowTiledMaxHeadDim) {
-      OSCAR_RETURN_IF_ERROR(resident_blocks(extend_attention_kernel<D>, kExtendThreads, ExtendLayout<D>::bytes,
-                                            "extend ", extend_resident));
-    }
-    return Status::Ok();
-  }));
-  options.target_blocks_per_sm = std::max(1, resident);
-  options.target_paired_blocks_per_sm = std::max(1, paired_resident);
-  options.target_extend_blocks_per_sm = std::max(1, extend_resident);
-  return options;
-}
-
-// Copies the plan's work items into the workspace and zeroes its arrival counters (stream
-// ordered; the host vector may be freed once the stream reaches this point). Call after every
-// make_attention_plan; paged_attention may then run any number of times with that plan.
-inline Status upload_attention_plan(const AttentionPlan& plan, void* workspace, size_t workspace_bytes,
-                                    cudaStream_t stream = nullptr) {
-  using namespace attention_detail;
-  OSCAR_RETURN_IF_ERROR(check_workspace(plan, workspace, workspace_bytes, "upload_attention_plan"));
+// Launches the kernels of one plan part (row-tiled: the q rotation, the extend kernel and its
+// merge; else the decode kernel with one or two column tiles per pass), its arguments checked
+// by paged_attention.
+inline Status launch_plan(const AttentionPlan& plan, const PagedAttentionParams& params, void* workspace,
+                          cudaStream_t stream) {
   if (plan.items.empty()) return Status::Ok();
-  const WorkspaceParts w = workspace_parts(plan, workspace);
-  OSCAR_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(w.items, plan.items.data(), plan.items.size() * sizeof(AttentionWorkItem),
-                                                    cudaMemcpyHostToDevice, stream),
-                                    "upload_attention_plan: copy of the work items"));
-  if (plan.num_counters > 0) {
-    OSCAR_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(w.counters, 0, plan.counters_bytes(), stream),
-                                      "upload_attention_plan: counter reset"));
-  }
-  return Status::Ok();
-}
-
-// Attention of every query of the plan over the paged cache. The page tables must describe
-// the lengths the plan was made from. Validates what it can without reading device memory,
-// then launches one kernel; no allocation, no synchronization.
-inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionParams& params, void* workspace,
-                              size_t workspace_bytes, cudaStream_t stream = nullptr) {
-  using namespace attention_detail;
-  OSCAR_RETURN_IF_ERROR(check_workspace(plan, workspace, workspace_bytes, "paged_attention"));
-  const PagedKvRef& kv = params.kv;
-  OSCAR_RETURN_IF_ERROR(validate_pool_set(kv.k_bf16, kv.v_bf16, kv.k_int2, kv.v_int2));
-  if (kv.k_int2.stride_page > INT32_MAX || kv.v_int2.stride_page > INT32_MAX) {
-    return unsupported("paged_attention: INT2 page strides of 2 GiB or more (the kernel's page offsets are 32-bit "
-                       "multiplies)");
-  }
   const AttentionShape& shape = plan.shape;
-  const Int2Layout& layout = kv.k_int2.layout;
-  if (layout.head_dim != shape.head_dim || layout.quant_group_size != shape.quant_group_size ||
-      layout.page_size != shape.page_size || kv.k_int2.num_kv_heads != shape.num_kv_heads ||
-      params.num_qo_heads != shape.num_qo_heads) {
-    return invalid_argument("paged_attention: the pools or num_qo_heads disagree with the plan's shape (head_dim " +
-                            std::to_string(shape.head_dim) + ", group " + std::to_string(shape.quant_group_size) +
-                            ", page_size " + std::to_string(shape.page_size) + ", kv heads " +
-                            std::to_string(shape.num_kv_heads) + ", qo heads " + std::to_string(shape.num_qo_heads) + ")");
-  }
-  if (kv.sink.batch_size != plan.batch_size || kv.int2.batch_size != plan.batch_size ||
-      kv.recent.batch_size != plan.batch_size) {
-    return invalid_argument("paged_attention: page tables hold " + std::to_string(kv.sink.batch_size) +
-                            " requests, the plan " + std::to_string(plan.batch_size));
-  }
-  if (kv.sink.page_size != shape.page_size || kv.int2.page_size != shape.page_size ||
-      kv.recent.page_size != shape.page_size) {
-    return invalid_argument("paged_attention: page tables and pools disagree on page_size");
-  }
-  if (plan.items.empty()) return Status::Ok();
-  for (const PageTableRef* t : {&kv.sink, &kv.int2, &kv.recent}) {
-    if (!t->indptr || !t->last_page_len) {
-      return invalid_argument("paged_attention: page table indptr and last_page_len must not be null");
-    }
-  }
-  if (!params.q || !params.out) return invalid_argument("paged_attention: q and out must not be null");
-  if (plan.decode != (params.qo_indptr == nullptr)) {
-    return invalid_argument(plan.decode ? "paged_attention: a decode plan takes no qo_indptr"
-                                        : "paged_attention: an extend plan needs qo_indptr");
-  }
-  if (reinterpret_cast<uintptr_t>(params.output_unrotation) % 16 != 0) {
-    return invalid_argument("paged_attention: output_unrotation must be 16-byte aligned");
-  }
-  if (reinterpret_cast<uintptr_t>(params.q) % 16 != 0) {
-    return invalid_argument("paged_attention: q must be 16-byte aligned (the kernels read 8 channels per load)");
-  }
-  if (shape.num_kv_heads > 65535) return unsupported("paged_attention: more than 65535 KV heads");
-
   const WorkspaceParts w = workspace_parts(plan, workspace);
   KernelArgs args;
   args.p = params;
@@ -1402,6 +1294,143 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
     return invalid_argument("paged_attention: a plan of " + std::to_string(plan.tile_columns) +
                             " columns per tile at head_dim " + std::to_string(D) + " (not a plan of this library)");
   });
+}
+
+}  // namespace attention_detail
+
+// Plan options for the current device and head_dim: its SM count and the number of blocks
+// of the kernel that are resident per SM (registers and shared memory decide it), so the plan
+// makes whole waves. Measured on the H200 at d = 128 (1 resident block): a plan assuming 2
+// made 2.91 waves and took 565 us where a plan of 1 block per SM took 469 us
+// (docs/benchmarks.md). Host-side, call once at start-up, not per step.
+inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_dim) {
+  using namespace attention_detail;
+  int device = 0;
+  OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "attention_plan_options_for_device: cudaGetDevice"));
+  AttentionPlanOptions options;
+  OSCAR_RETURN_IF_ERROR(cuda_status(cudaDeviceGetAttribute(&options.num_sms, cudaDevAttrMultiProcessorCount, device),
+                                    "attention_plan_options_for_device: SM count"));
+  // Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory (its limit
+  // raised to that first, as the launch does); `what` names the kernel in an error.
+  auto resident_blocks = [](auto kernel, int threads, size_t smem, const std::string& what, int& blocks) -> Status {
+    OSCAR_RETURN_IF_ERROR(
+        cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                    ("attention_plan_options_for_device: " + what + "shared memory attribute").c_str()));
+    return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem),
+                       ("attention_plan_options_for_device: " + what + "occupancy").c_str());
+  };
+  int resident = 0;
+  int paired_resident = 0;  // stays 0 where the kernel has no paired column tiles (d = 256)
+  int extend_resident = 0;  // stays 0 where no row-tiled kernel exists (d = 256)
+  OSCAR_RETURN_IF_ERROR(dispatch_head_dim(head_dim, [&]<int D>() -> Status {
+    OSCAR_RETURN_IF_ERROR(
+        resident_blocks(paged_attention_kernel<D, 1>, KernelConfig<D>::kThreads, SharedLayout<D>::bytes, "", resident));
+    if constexpr (D <= kAttentionPairedTilesMaxHeadDim) {
+      OSCAR_RETURN_IF_ERROR(resident_blocks(paged_attention_kernel<D, 2>, KernelConfig<D, 2>::kThreads,
+                                            SharedLayout<D, 2>::bytes, "paired-tile ", paired_resident));
+    }
+    if constexpr (D <= kAttentionRowTiledMaxHeadDim) {
+      OSCAR_RETURN_IF_ERROR(resident_blocks(extend_attention_kernel<D>, kExtendThreads, ExtendLayout<D>::bytes,
+                                            "extend ", extend_resident));
+    }
+    return Status::Ok();
+  }));
+  options.target_blocks_per_sm = std::max(1, resident);
+  options.target_paired_blocks_per_sm = std::max(1, paired_resident);
+  options.target_extend_blocks_per_sm = std::max(1, extend_resident);
+  return options;
+}
+
+// Copies the plan's work items into the workspace and zeroes its arrival counters (stream
+// ordered; the host vector may be freed once the stream reaches this point). Call after every
+// make_attention_plan; paged_attention may then run any number of times with that plan.
+inline Status upload_attention_plan(const AttentionPlan& plan, void* workspace, size_t workspace_bytes,
+                                    cudaStream_t stream = nullptr) {
+  using namespace attention_detail;
+  OSCAR_RETURN_IF_ERROR(check_workspace(plan, workspace, workspace_bytes, "upload_attention_plan"));
+  if (plan.total_items() == 0) return Status::Ok();
+  const WorkspaceParts w = workspace_parts(plan, workspace);
+  OSCAR_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(w.items, plan.items.data(), plan.items.size() * sizeof(AttentionWorkItem),
+                                                    cudaMemcpyHostToDevice, stream),
+                                    "upload_attention_plan: copy of the work items"));
+  if (plan.num_counters > 0) {
+    OSCAR_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(w.counters, 0, plan.counters_bytes(), stream),
+                                      "upload_attention_plan: counter reset"));
+  }
+  if (plan.column_part) {
+    return upload_attention_plan(*plan.column_part, static_cast<unsigned char*>(workspace) + plan.own_workspace_bytes(),
+                                 workspace_bytes - plan.own_workspace_bytes(), stream);
+  }
+  return Status::Ok();
+}
+
+// Attention of every query of the plan over the paged cache. The page tables must describe
+// the lengths the plan was made from. Validates what it can without reading device memory,
+// then launches the plan's kernels (a mixed batch's column part after its row-tiled part);
+// no allocation, no synchronization.
+inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionParams& params, void* workspace,
+                              size_t workspace_bytes, cudaStream_t stream = nullptr) {
+  using namespace attention_detail;
+  OSCAR_RETURN_IF_ERROR(check_workspace(plan, workspace, workspace_bytes, "paged_attention"));
+  const PagedKvRef& kv = params.kv;
+  OSCAR_RETURN_IF_ERROR(validate_pool_set(kv.k_bf16, kv.v_bf16, kv.k_int2, kv.v_int2));
+  if (kv.k_int2.stride_page > INT32_MAX || kv.v_int2.stride_page > INT32_MAX) {
+    return unsupported("paged_attention: INT2 page strides of 2 GiB or more (the kernel's page offsets are 32-bit "
+                       "multiplies)");
+  }
+  const AttentionShape& shape = plan.shape;
+  const Int2Layout& layout = kv.k_int2.layout;
+  if (layout.head_dim != shape.head_dim || layout.quant_group_size != shape.quant_group_size ||
+      layout.page_size != shape.page_size || kv.k_int2.num_kv_heads != shape.num_kv_heads ||
+      params.num_qo_heads != shape.num_qo_heads) {
+    return invalid_argument("paged_attention: the pools or num_qo_heads disagree with the plan's shape (head_dim " +
+                            std::to_string(shape.head_dim) + ", group " + std::to_string(shape.quant_group_size) +
+                            ", page_size " + std::to_string(shape.page_size) + ", kv heads " +
+                            std::to_string(shape.num_kv_heads) + ", qo heads " + std::to_string(shape.num_qo_heads) + ")");
+  }
+  if (kv.sink.batch_size != plan.batch_size || kv.int2.batch_size != plan.batch_size ||
+      kv.recent.batch_size != plan.batch_size) {
+    return invalid_argument("paged_attention: page tables hold " + std::to_string(kv.sink.batch_size) +
+                            " requests, the plan " + std::to_string(plan.batch_size));
+  }
+  if (kv.sink.page_size != shape.page_size || kv.int2.page_size != shape.page_size ||
+      kv.recent.page_size != shape.page_size) {
+    return invalid_argument("paged_attention: page tables and pools disagree on page_size");
+  }
+  if (plan.total_items() == 0) return Status::Ok();
+  for (const PageTableRef* t : {&kv.sink, &kv.int2, &kv.recent}) {
+    if (!t->indptr || !t->last_page_len) {
+      return invalid_argument("paged_attention: page table indptr and last_page_len must not be null");
+    }
+  }
+  if (!params.q || !params.out) return invalid_argument("paged_attention: q and out must not be null");
+  if (plan.decode != (params.qo_indptr == nullptr)) {
+    return invalid_argument(plan.decode ? "paged_attention: a decode plan takes no qo_indptr"
+                                        : "paged_attention: an extend plan needs qo_indptr");
+  }
+  if (reinterpret_cast<uintptr_t>(params.output_unrotation) % 16 != 0) {
+    return invalid_argument("paged_attention: output_unrotation must be 16-byte aligned");
+  }
+  if (reinterpret_cast<uintptr_t>(params.q) % 16 != 0) {
+    return invalid_argument("paged_attention: q must be 16-byte aligned (the kernels read 8 channels per load)");
+  }
+  if (shape.num_kv_heads > 65535) return unsupported("paged_attention: more than 65535 KV heads");
+
+  if (plan.column_part) {
+    const AttentionPlan& part = *plan.column_part;
+    if (part.column_part || part.row_tiled() || part.items.empty() || part.decode != plan.decode ||
+        part.batch_size != plan.batch_size || part.shape.head_dim != shape.head_dim ||
+        part.shape.num_qo_heads != shape.num_qo_heads || part.shape.num_kv_heads != shape.num_kv_heads ||
+        part.shape.page_size != shape.page_size || part.shape.quant_group_size != shape.quant_group_size) {
+      return invalid_argument("paged_attention: the plan's column part disagrees with the plan (not a plan of this "
+                              "library)");
+    }
+  }
+  OSCAR_RETURN_IF_ERROR(launch_plan(plan, params, workspace, stream));
+  if (!plan.column_part) return Status::Ok();
+  // A mixed batch's short requests, on the column kernel after the row-tiled part.
+  return launch_plan(*plan.column_part, params, static_cast<unsigned char*>(workspace) + plan.own_workspace_bytes(),
+                     stream);
 }
 
 }  // namespace oscar
