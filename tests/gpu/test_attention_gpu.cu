@@ -515,6 +515,13 @@ TEST_CASE("launcher errors name the problem and launch nothing") {
   bad = p;
   bad.qo_indptr = reinterpret_cast<const int32_t*>(ws.ptr);
   CHECK(has(paged_attention(*plan, bad, ws.ptr, ws.count), "decode plan takes no qo_indptr"));
+  // A column part that is not this plan's batch and shape (a forged or stale plan).
+  AttentionPlan forged = *plan;
+  AttentionPlan part = *plan;
+  part.shape.head_dim = 64;
+  forged.column_part = std::make_shared<const AttentionPlan>(part);
+  DeviceArray<uint8_t> forged_ws(forged.workspace_bytes());
+  CHECK(has(paged_attention(forged, p, forged_ws.ptr, forged_ws.count), "column part disagrees"));
   // Plan-time errors.
   AttentionShape wrong = shape;
   wrong.head_dim = 96;
