@@ -60,7 +60,8 @@ struct Problem {
   // Request b holds length_of[b] cached tokens, its last queries_of[b] the queries (empty:
   // decode); split_mixed: AttentionPlanOptions::split_mixed_batches.
   Problem(const std::vector<int64_t>& length_of, const std::vector<int32_t>& queries_of, int hq, int hkv, int d,
-          int page, bool int2, int sink, int recent, int paired = kPairedByPlan, bool split_mixed = true) {
+          int page, bool int2, int sink, int recent, int paired = kPairedByPlan,
+          bool split_mixed = AttentionPlanOptions{}.split_mixed_batches) {
     shape = {hq, hkv, d, d, page};
     std::mt19937_64 rng(7);
     const int batch = static_cast<int>(length_of.size());

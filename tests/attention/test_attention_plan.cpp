@@ -144,7 +144,9 @@ TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column t
   lengths[5] = SegmentCounts{64, 32768 - 320, 256 + 512};
   std::vector<int32_t> queries(32, 1);
   queries[5] = 512;
-  auto plan = make_attention_plan(headline(), lengths, queries);
+  AttentionPlanOptions split;
+  split.split_mixed_batches = true;  // off by default until measured on a GPU
+  auto plan = make_attention_plan(headline(), lengths, queries, split);
   REQUIRE(plan.ok());
   REQUIRE(plan->column_part);
   const AttentionPlan& part = *plan->column_part;
@@ -168,21 +170,19 @@ TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column t
   // Short requests of 3 new tokens (12 rows) run paired column tiles in their part.
   std::vector<int32_t> verify = queries;
   for (size_t b = 0; b < verify.size(); ++b) verify[b] = b == 5 ? 512 : 3;
-  auto paired = make_attention_plan(headline(), lengths, verify);
+  auto paired = make_attention_plan(headline(), lengths, verify, split);
   REQUIRE(paired.ok());
   REQUIRE(paired->column_part);
   CHECK(paired->column_part->paired_tiles());
 
-  // The option off, or short requests that read less than mixed_split_min_bytes (over every KV
-  // head): one row-tiled plan over the whole batch.
-  AttentionPlanOptions off;
-  off.split_mixed_batches = false;
-  auto whole = make_attention_plan(headline(), lengths, queries, off);
+  // The option off (the default), or short requests that read less than mixed_split_min_bytes
+  // (over every KV head): one row-tiled plan over the whole batch.
+  auto whole = make_attention_plan(headline(), lengths, queries);
   REQUIRE(whole.ok());
   CHECK(!whole->column_part);
   CHECK(whole->row_tiled());
   check_cover(*whole, lengths, queries);
-  AttentionPlanOptions high;
+  AttentionPlanOptions high = split;
   int64_t short_bytes = 0;
   for (size_t b = 0; b < lengths.size(); ++b) {
     if (b == 5) continue;
@@ -203,13 +203,13 @@ TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column t
   // Every request long, or every request short: nothing to split. d = 256 has no row-tiled
   // kernel: one column plan.
   std::vector<int32_t> all_long(32, 16);
-  auto longs = make_attention_plan(headline(), lengths, all_long);
+  auto longs = make_attention_plan(headline(), lengths, all_long, split);
   REQUIRE(longs.ok());
   CHECK(!longs->column_part);
   CHECK(longs->row_tiled());
   AttentionShape wide = headline();
   wide.head_dim = wide.quant_group_size = 256;
-  auto d256 = make_attention_plan(wide, lengths, queries);
+  auto d256 = make_attention_plan(wide, lengths, queries, split);
   REQUIRE(d256.ok());
   CHECK(!d256->column_part);
   check_cover(*d256, lengths, queries);

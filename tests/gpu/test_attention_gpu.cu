@@ -340,6 +340,7 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     // request 2 on the row-tiled kernel, requests 0 and 1 on the column kernel after it
     // (paired at g = 8: 40 rows), each part with its own items, counters and partial states.
     AttentionPlanOptions split;
+    split.split_mixed_batches = true;
     split.mixed_split_min_bytes = 0;
     {
       auto tables = cache.page_tables(ids);
@@ -352,6 +353,7 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = split}));
     check(run_and_compare(cache, ids, n_new, qgen, {.kernel_rotates = false, .plan = split}));
     AttentionPlanOptions split_many = many;
+    split_many.split_mixed_batches = true;
     split_many.mixed_split_min_bytes = 0;
     split_many.paired_max_chunks_per_tile = INT32_MAX;
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = split_many, .replays = 2, .via_graph = true}));

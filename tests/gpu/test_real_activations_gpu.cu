@@ -124,7 +124,7 @@ using Errors = AttentionErrors;
 Errors attend(const Fixture& f, const PagedCache& cache, int layer, const std::vector<RequestId>& ids,
               const std::vector<int64_t>& lengths, const std::vector<int32_t>& query_tokens,
               int32_t row_tiled_min_rows = kAttentionRowTiledMinRows, bool paired_column_tiles = true,
-              int64_t mixed_split_min_bytes = AttentionPlanOptions{}.mixed_split_min_bytes) {
+              bool split_mixed = false) {
   const CacheConfig& c = cache.config();
   const int d = c.head_dim;
   const bool decode = query_tokens.empty();
@@ -157,7 +157,8 @@ Errors attend(const Fixture& f, const PagedCache& cache, int layer, const std::v
   options.row_tiled_min_rows = row_tiled_min_rows;
   options.paired_column_tiles = paired_column_tiles;
   options.paired_max_chunks_per_tile = INT32_MAX;  // paired however many chunks the small min_chunk_bytes makes
-  options.mixed_split_min_bytes = mixed_split_min_bytes;
+  options.split_mixed_batches = split_mixed;
+  options.mixed_split_min_bytes = 0;  // split_mixed: however few bytes the short requests read
   auto plan = make_attention_plan(shape, segment_lengths(*tables), query_tokens, options);
   REQUIRE_MESSAGE(plan.ok(), plan.status().to_string());
   DeviceArray<uint8_t> workspace(std::max<size_t>(plan->workspace_bytes(), 256));
@@ -224,7 +225,7 @@ TEST_CASE("real SmolLM2 activations: device pages are the reference's, attention
     check_attention_errors(ext_long);
     // The same batch split in two launches (a mixed batch: request 0's 120 rows on row tiles,
     // request 1's 9 on paired column tiles after them), however few bytes request 1 reads.
-    const Errors ext_mixed = attend(f, cache, li, ids, lengths, {40, 3}, kAttentionRowTiledMinRows, true, 0);
+    const Errors ext_mixed = attend(f, cache, li, ids, lengths, {40, 3}, kAttentionRowTiledMinRows, true, true);
     check_attention_errors(ext_mixed);
     MESSAGE("layer " << kLayers[li] << ": decode worst " << dec.worst << " mean " << dec.mean << ", extend worst "
                      << ext.worst << " mean " << ext.mean << " (single tiles " << ext_single.worst
