@@ -287,7 +287,10 @@ void report(benchmark::State& state, const Problem& problem) {
   const double gbps = state.counters["GB/s"];
   if (oscar::bench::copy_gbps() > 0) state.counters["%copy"] = 100.0 * gbps / oscar::bench::copy_gbps();
   state.counters["items"] = double(problem.plan.total_items());
-  if (problem.plan.column_part) state.counters["column_part_items"] = double(problem.plan.column_part->items.size());
+  if (problem.plan.column_part) {
+    state.counters["column_part_items"] = double(problem.plan.column_part->items.size());
+    state.counters["column_part_columns/tile"] = double(problem.plan.column_part->tile_columns);
+  }
   state.counters["blocks/SM"] = double(problem.blocks_per_sm);
   state.counters["columns/tile"] = double(problem.plan.tile_columns);
 }

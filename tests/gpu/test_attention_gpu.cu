@@ -338,7 +338,8 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     check(run_and_compare(cache, ids, n_new, qgen, {.plan = single}));
     // The mixed batch split in two parts (split however few bytes the short requests read):
     // request 2 on the row-tiled kernel, requests 0 and 1 on the column kernel after it
-    // (paired at g = 8: 40 rows), each part with its own items, counters and partial states.
+    // (15-40 rows: paired tiles where their chunk counts allow), each part with its own items,
+    // counters and partial states.
     AttentionPlanOptions split;
     split.split_mixed_batches = true;
     split.mixed_split_min_bytes = 0;
@@ -524,6 +525,11 @@ TEST_CASE("launcher errors name the problem and launch nothing") {
   forged.column_part = std::make_shared<const AttentionPlan>(part);
   DeviceArray<uint8_t> forged_ws(forged.workspace_bytes());
   CHECK(has(paged_attention(forged, p, forged_ws.ptr, forged_ws.count), "column part disagrees"));
+  part = *plan;
+  part.tile_columns = kAttentionRowTile;  // refused before the first part's kernels are queued
+  forged.column_part = std::make_shared<const AttentionPlan>(part);
+  DeviceArray<uint8_t> forged_rows_ws(forged.workspace_bytes());
+  CHECK(has(paged_attention(forged, p, forged_rows_ws.ptr, forged_rows_ws.count), "column part disagrees"));
   // Plan-time errors.
   AttentionShape wrong = shape;
   wrong.head_dim = 96;

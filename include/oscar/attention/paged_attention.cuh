@@ -1418,7 +1418,9 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
 
   if (plan.column_part) {
     const AttentionPlan& part = *plan.column_part;
-    if (part.column_part || part.row_tiled() || part.items.empty() || part.decode != plan.decode ||
+    const bool columns_ok = part.tile_columns == kAttentionTileColumns ||
+                            (part.paired_tiles() && shape.head_dim <= kAttentionPairedTilesMaxHeadDim);
+    if (part.column_part || !columns_ok || part.items.empty() || part.decode != plan.decode ||
         part.batch_size != plan.batch_size || part.shape.head_dim != shape.head_dim ||
         part.shape.num_qo_heads != shape.num_qo_heads || part.shape.num_kv_heads != shape.num_kv_heads ||
         part.shape.page_size != shape.page_size || part.shape.quant_group_size != shape.quant_group_size) {
