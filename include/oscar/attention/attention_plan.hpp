@@ -425,11 +425,7 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
       if (!is_long && request_rows[b] > 0) short_bytes += request_bytes[b] * shape.num_kv_heads;
     }
     if (short_bytes > 0 && short_bytes >= options.mixed_split_min_bytes) {
-      AttentionPlan part;
-      part.shape = plan.shape;
-      part.batch_size = plan.batch_size;
-      part.decode = false;
-      part.num_query_tokens = plan.num_query_tokens;
+      AttentionPlan part = plan;  // the batch's shape, size and query count; no items yet
       OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(part, segments, short_rows, request_bytes, options));
       OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(plan, segments, long_rows, request_bytes, options));
       plan.column_part = std::make_shared<const AttentionPlan>(std::move(part));
