@@ -1208,6 +1208,18 @@ inline Status check_workspace(const AttentionPlan& plan, const void* workspace, 
   return Status::Ok();
 }
 
+// Whether a kernel of this library runs the plan part's tiles at its head_dim: row tiles up
+// to kAttentionRowTiledMaxHeadDim, single column tiles, paired ones up to
+// kAttentionPairedTilesMaxHeadDim. paged_attention asks before it queues anything, so a forged
+// part is refused whole; launch_plan's dispatch refuses the same plans again where it must
+// name a kernel.
+inline bool kernel_runs_tiles(const AttentionPlan& plan) {
+  const int d = plan.shape.head_dim;
+  return plan.tile_columns == kAttentionTileColumns ||
+         (plan.paired_tiles() && d <= kAttentionPairedTilesMaxHeadDim) ||
+         (plan.row_tiled() && d <= kAttentionRowTiledMaxHeadDim);
+}
+
 // Launches the kernels of one plan part (row-tiled: the q rotation, the extend kernel and its
 // merge; else the decode kernel with one or two column tiles per pass), its arguments checked
 // by paged_attention.
@@ -1418,10 +1430,8 @@ inline Status paged_attention(const AttentionPlan& plan, const PagedAttentionPar
 
   if (plan.column_part) {
     const AttentionPlan& part = *plan.column_part;
-    const bool columns_ok = part.tile_columns == kAttentionTileColumns ||
-                            (part.paired_tiles() && shape.head_dim <= kAttentionPairedTilesMaxHeadDim);
-    if (part.column_part || !columns_ok || part.items.empty() || part.decode != plan.decode ||
-        part.batch_size != plan.batch_size || part.shape.head_dim != shape.head_dim ||
+    if (part.column_part || part.row_tiled() || !kernel_runs_tiles(part) || part.items.empty() ||
+        part.decode != plan.decode || part.batch_size != plan.batch_size || part.shape.head_dim != shape.head_dim ||
         part.shape.num_qo_heads != shape.num_qo_heads || part.shape.num_kv_heads != shape.num_kv_heads ||
         part.shape.page_size != shape.page_size || part.shape.quant_group_size != shape.quant_group_size) {
       return invalid_argument("paged_attention: the plan's column part disagrees with the plan (not a plan of this "
