@@ -190,7 +190,10 @@ namespace {
 
 // largest_magnitudes<N>(row) against a sort of the row's magnitudes: entry i of both halves is
 // the i-th largest (0 past the row's 2·kPairs values), and the lane join of the half-row form
-// (this list against the partner's reversed, then merged) gives the two rows' union.
+// (this list against the partner's reversed, then merged) gives the two rows' union. And
+// rank_of_two_lists, for every rank 0..N: of one row's two half lists (the thread-per-row
+// form) and of the two lanes' joined lists (the half-row form), the largest and the rank-th
+// largest of the sort (+Inf for rank 0).
 template <int N, int kPairs>
 int count_wrong_top_lists(std::mt19937_64& rng, int trials) {
   int wrong = 0;
@@ -208,7 +211,17 @@ int count_wrong_top_lists(std::mt19937_64& rng, int trials) {
     }
     for (auto& m : mags) std::sort(m.begin(), m.end(), std::greater<>());
     uint32_t top[2][N];
+    const auto check_ranks = [&](auto load, const std::vector<uint32_t>& sorted) {
+      for (int rank = 0; rank <= N; ++rank) {
+        uint32_t largest = 0xdeadu, tau = 0xdeadu;
+        bf16x2::rank_of_two_lists<N>(load, rank, largest, tau);
+        wrong += largest != sorted[0] || tau != (rank == 0 ? 0x7f80u : sorted[rank - 1]);
+      }
+    };
     for (int lane = 0; lane < 2; ++lane) {
+      uint32_t by_half[N];
+      bf16x2::largest_magnitudes_by_half(rows[lane], by_half);
+      check_ranks([&](int i) { return by_half[i]; }, mags[lane]);
       bf16x2::largest_magnitudes(rows[lane], top[lane]);
       for (int i = 0; i < N; ++i) {
         const uint32_t want = i < int(mags[lane].size()) ? mags[lane][i] : 0u;
@@ -219,13 +232,14 @@ int count_wrong_top_lists(std::mt19937_64& rng, int trials) {
     for (int i = 0; i < N; ++i) joined[i] = bf16x2::max_u16(top[0][i], top[1][N - 1 - i]);
     bf16x2::merge_descending(joined);
     for (int i = 0; i < N; ++i) wrong += (joined[i] & 0xffffu) != mags[2][i];
+    check_ranks([&](int i) { return (top[0][i] & 0xffffu) | top[1][i] << 16; }, mags[2]);
   }
   return wrong;
 }
 
 }  // namespace
 
-TEST_CASE("largest_magnitudes: the sorted top lists, lists longer than the row padded, and the lane join") {
+TEST_CASE("largest_magnitudes: the sorted top lists, lists longer than the row padded, the lane join, the rank") {
   std::mt19937_64 rng(17);
   CHECK(count_wrong_top_lists<8, 16>(rng, 3000) == 0);
   CHECK(count_wrong_top_lists<16, 16>(rng, 3000) == 0);

@@ -13,7 +13,9 @@
 //    register are two independent lists), not from serial pops. N = 8, 16 or 32 by L, up to
 //    the widest selection compiled in (kWidestSelection, 16 or 32: the top-32 list costs
 //    registers that spill in the thread-per-row demotion, so a caller whose clip ranks are all
-//    within 16 compiles it out); past it a bitwise search with 16x2 counts.
+//    within 16 compiles it out); past it a bitwise search with 16x2 counts. The last two lists
+//    (the halves of a row, or a half row's and its partner's) are not merged: their union's
+//    L-th largest is a max of L pairwise mins (rank_of_two_lists).
 //  - Codes are three comparisons per pair against per-group thresholds in bf16 (HSET2), not
 //    an fma and three comparisons per element: the code of x is monotone in x, so
 //    quantize_code(clamp(x), q) >= c exactly when x >= b_c for the smallest bf16 value b_c
@@ -191,13 +193,13 @@ OSCAR_HOST_DEVICE void merge_descending(uint32_t (&v)[N]) {
 
 inline constexpr uint32_t kMagnitudes = 0x7fff7fffu;
 
-// The N largest magnitudes of the row, sorted descending, in both halves of top[] (the
-// halves' two lists, of the even and the odd elements, merged at the end).
+// The N largest magnitudes of the even elements of the row, sorted descending, in the low
+// halves of top[], and those of the odd elements in the high halves: two lists.
 // Lists shorter than N (N > kPairs: the top-32 of a d = 64 half row's 16 pairs) are sorted
 // as they are and padded with zero magnitudes, which cannot move a larger magnitude down the
 // list (sorting the pads too would cost 128 more compare-exchanges).
 template <int N, int kPairs>
-OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_t (&top)[N]) {
+OSCAR_HOST_DEVICE void largest_magnitudes_by_half(const uint32_t (&row)[kPairs], uint32_t (&top)[N]) {
   static_assert(kPairs % N == 0 || N % kPairs == 0, "the row splits into blocks of N pairs, or fits one");
   if constexpr (N > kPairs) {
     uint32_t sorted[kPairs];
@@ -222,8 +224,13 @@ OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_
     for (int i = 0; i < N; ++i) top[i] = max_u16(top[i], block[N - 1 - i]);
     merge_descending(top);
   }
-  // The same step between the halves: the low list against the high one reversed (in place,
-  // a pair of entries at a time: no second list of N registers).
+}
+
+// The two lists of top[] merged: the N largest of their union, sorted descending, in both
+// halves. The low list against the high one reversed is bitonic (in place, a pair of entries
+// at a time: no second list of N registers).
+template <int N>
+OSCAR_HOST_DEVICE void join_halves(uint32_t (&top)[N]) {
   OSCAR_UNROLL
   for (int i = 0; i < N / 2; ++i) {
     const uint32_t a = top[i], b = top[N - 1 - i];
@@ -231,6 +238,60 @@ OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_
     top[N - 1 - i] = max_u16(b, swap_halves(a));
   }
   merge_descending(top);
+}
+
+// The N largest magnitudes of the row, sorted descending, in both halves of top[].
+template <int N, int kPairs>
+OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_t (&top)[N]) {
+  largest_magnitudes_by_half(row, top);
+  join_halves(top);
+}
+
+// The R-th largest (R >= 1) of the union of two descending lists L and H, and the largest,
+// where load(i) holds L_i in its low half and H_i in its high half (i < R; the lists hold at
+// least R entries). Of the union's R largest, some j come from L and R - j from H, so the
+// answer is max over j = 0..R of min(L_{j-1}, H_{R-j-1}), the absent L_{-1} and H_{-1} being
+// larger than everything: ~1.5 R instructions, where merging the lists (2 log N compare-
+// exchanges per entry) and picking entry R - 1 by selects took ~6 N. One min_u16 of load(j - 1)
+// against load(R - j - 1) with halves swapped gives the terms j (low half) and R - j (high),
+// so j = 1..ceil((R - 1) / 2) and load(R - 1) (the terms R and 0) cover them all.
+template <int R, class Load>
+OSCAR_HOST_DEVICE void rank_of_two_lists(Load load, uint32_t& largest, uint32_t& rank_th) {
+  uint32_t x[R];
+  OSCAR_UNROLL
+  for (int i = 0; i < R; ++i) x[i] = load(i);
+  uint32_t m = x[R - 1];
+  OSCAR_UNROLL
+  for (int j = 1; j <= R / 2; ++j) m = max_u16(m, min_u16(x[j - 1], swap_halves(x[R - j - 1])));
+  largest = max_u16(x[0], x[0] >> 16) & 0xffffu;
+  rank_th = max_u16(m, m >> 16) & 0xffffu;
+}
+
+// rank_of_two_lists for a runtime rank in [1, N], by a binary search over the compiled ranks
+// (log2 N branches; each rank's terms are unrolled, so no list is indexed at run time and none
+// goes to local memory). A rank below 1 selects none: rank_th +Inf, no clipping.
+template <int Lo, int Hi, class Load>
+OSCAR_HOST_DEVICE void rank_of_two_lists_between(Load load, int rank, uint32_t& largest, uint32_t& rank_th) {
+  if constexpr (Lo == Hi) {
+    rank_of_two_lists<Lo>(load, largest, rank_th);
+  } else {
+    constexpr int kMid = (Lo + Hi) / 2;
+    if (rank <= kMid) {
+      rank_of_two_lists_between<Lo, kMid>(load, rank, largest, rank_th);
+    } else {
+      rank_of_two_lists_between<kMid + 1, Hi>(load, rank, largest, rank_th);
+    }
+  }
+}
+template <int N, class Load>
+OSCAR_HOST_DEVICE void rank_of_two_lists(Load load, int rank, uint32_t& largest, uint32_t& rank_th) {
+  if (rank < 1) {
+    const uint32_t x0 = load(0);
+    largest = max_u16(x0, x0 >> 16) & 0xffffu;
+    rank_th = 0x7f80u;
+    return;
+  }
+  rank_of_two_lists_between<1, N>(load, rank, largest, rank_th);
 }
 
 // The k-th smallest magnitude (zero-based) for clip ranks past the sorted selections: a
@@ -352,17 +413,6 @@ OSCAR_HOST_DEVICE GroupQuantizer clipped_group_quantizer(float mn, float mx, flo
   return q;
 }
 
-// The rank-th largest (rank <= N) of a descending top list, as magnitude bits: the least of
-// the first `rank` entries, by a select per entry (indexing top[rank - 1] would put the list
-// in local memory). A rank below 1 selects none: +Inf, no clipping.
-template <int N>
-OSCAR_HOST_DEVICE uint32_t rank_th(const uint32_t (&top)[N], int rank) {
-  uint32_t value = 0x7f80u;
-  OSCAR_UNROLL
-  for (int i = 0; i < N; ++i) value = i < rank ? top[i] & 0xffffu : value;
-  return value;
-}
-
 // Extremes of kCount pairs of row starting at pair `first` (finite values), as floats.
 template <int kCount, int kPairs>
 OSCAR_HOST_DEVICE void pair_extremes(const uint32_t (&row)[kPairs], int first, float& mn, float& mx) {
@@ -400,21 +450,20 @@ inline constexpr int kRowBf16x2NarrowSelection = 16;
 namespace bf16x2 {
 // The row's largest magnitude (finiteness: bf16 Inf/NaN magnitudes are >= 0x7f80) and its clip
 // threshold tau, the (head_dim - clip_k)-th largest magnitude (0x7f80, +Inf, when clip_k < 0),
-// as magnitude bits, from this thread's pairs of the row. A row split over lanes joins its
-// parts with the hooks: join_top(top) turns this thread's descending top list into the row's,
-// join_max(m) a max of magnitudes, count_both(c) a pair of half-counts (a whole row: none).
-template <int kHeadDim, int kWidestSelection, int kPairs, class JoinTop, class JoinMax, class CountBoth>
-OSCAR_HOST_DEVICE void largest_and_clip(const uint32_t (&row)[kPairs], int clip_k, JoinTop join_top, JoinMax join_max,
-                                        CountBoth count_both, uint32_t& largest, uint32_t& tau) {
+// as magnitude bits, from this thread's pairs of the row. The hooks say how the row is held:
+// select_rank(top, rank, largest, tau) finds the row's largest and rank-th largest from this
+// thread's two top lists (largest_magnitudes_by_half), join_max(m) is a max of magnitudes over
+// the row, count_both(c) a pair of half-counts over the row (a whole row: nothing to join).
+template <int kHeadDim, int kWidestSelection, int kPairs, class SelectRank, class JoinMax, class CountBoth>
+OSCAR_HOST_DEVICE void largest_and_clip(const uint32_t (&row)[kPairs], int clip_k, SelectRank select_rank,
+                                        JoinMax join_max, CountBoth count_both, uint32_t& largest, uint32_t& tau) {
   largest = 0;
   tau = 0x7f80u;
   const int rank = kHeadDim - clip_k;
   static_assert(kWidestSelection == 16 || kWidestSelection == 32, "selections of 16 or 32");
   const auto select = [&](auto& top) {
-    largest_magnitudes(row, top);
-    join_top(top);
-    largest = top[0] & 0xffffu;
-    tau = rank_th(top, rank);
+    largest_magnitudes_by_half(row, top);
+    select_rank(top, rank, largest, tau);
   };
   if (clip_k >= 0 && rank <= 8) {
     uint32_t top[8];
@@ -450,7 +499,12 @@ OSCAR_HOST_DEVICE void quantize_row_bf16x2(const uint32_t (&row)[kHeadDim / 2], 
 
   uint32_t largest, tau;
   const auto same = [](uint32_t v) { return v; };
-  largest_and_clip<kHeadDim, kWidestSelection>(row, clip_k, [](auto&) {}, same, same, largest, tau);
+  // The row's two lists are the halves of top[].
+  const auto select_rank = [](auto& top, int rank, uint32_t& largest, uint32_t& tau) {
+    constexpr int N = std::extent_v<std::remove_reference_t<decltype(top)>>;
+    rank_of_two_lists<N>([&](int i) { return top[i]; }, rank, largest, tau);
+  };
+  largest_and_clip<kHeadDim, kWidestSelection>(row, clip_k, select_rank, same, same, largest, tau);
   const bool finite = largest < 0x7f80u;
   if (!finite) {
     // NaN metadata and zero codes in every group, as quantize_row stores a non-finite row.
@@ -515,22 +569,18 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
   const unsigned pair_mask = 0x10001u << (lane % 16);
   const auto partner = [pair_mask](uint32_t v) { return __shfl_xor_sync(pair_mask, v, 16); };
 
-  // The row's top list: this half's against the partner's reversed, merged.
-  const auto join_top = [&](auto& top) {
+  // The row's two lists: this half's (its two lists joined) and the partner's, whose entries
+  // come over one shuffle each, only as many as the rank reads. Both lanes of the pair take
+  // the same rank's branch, so each shuffle has both its lanes.
+  const auto select_rank = [&](auto& top, int rank, uint32_t& largest, uint32_t& tau) {
     constexpr int N = std::extent_v<std::remove_reference_t<decltype(top)>>;
-    // A pair of entries at a time, both shuffled before either is replaced (the partner reads
-    // this lane's originals): no second list of N registers.
-    OSCAR_UNROLL
-    for (int i = 0; i < N / 2; ++i) {
-      const uint32_t other_low = partner(top[N - 1 - i]), other_high = partner(top[i]);
-      top[i] = max_u16(top[i], other_low);
-      top[N - 1 - i] = max_u16(top[N - 1 - i], other_high);
-    }
-    merge_descending(top);
+    join_halves(top);
+    rank_of_two_lists<N>([&](int i) { return (top[i] & 0xffffu) | partner(top[i]) << 16; }, rank, largest, tau);
   };
   uint32_t largest, tau;
-  largest_and_clip<kHeadDim, kWidestSelection>(half, clip_k, join_top, [&](uint32_t m) { return max_u16(m, partner(m)); },
-                             [&](uint32_t c) { return c + partner(c); }, largest, tau);
+  largest_and_clip<kHeadDim, kWidestSelection>(half, clip_k, select_rank,
+                                               [&](uint32_t m) { return max_u16(m, partner(m)); },
+                                               [&](uint32_t c) { return c + partner(c); }, largest, tau);
   if (largest >= 0x7f80u) {  // a NaN or Inf anywhere in the row
     const GroupQuantizer q = make_group_quantizer(0.0f, 0.0f, false);
     OSCAR_UNROLL
