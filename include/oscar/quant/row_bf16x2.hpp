@@ -575,7 +575,7 @@ __device__ __forceinline__ void quantize_half_row_bf16x2(const uint32_t (&half)[
   const auto select_rank = [&](auto& top, int rank, uint32_t& largest, uint32_t& tau) {
     constexpr int N = std::extent_v<std::remove_reference_t<decltype(top)>>;
     join_halves(top);
-    rank_of_two_lists<N>([&](int i) { return (top[i] & 0xffffu) | partner(top[i]) << 16; }, rank, largest, tau);
+    rank_of_two_lists<N>([&](int i) { return byte_perm(top[i], partner(top[i]), 0x5410u); }, rank, largest, tau);
   };
   uint32_t largest, tau;
   largest_and_clip<kHeadDim, kWidestSelection>(half, clip_k, select_rank,
