@@ -188,12 +188,12 @@ TEST_CASE("sort_descending<32> sorts random inputs") {
 
 namespace {
 
-// largest_magnitudes<N>(row) against a sort of the row's magnitudes: entry i of both halves is
-// the i-th largest (0 past the row's 2·kPairs values), and the lane join of the half-row form
-// (this list against the partner's reversed, then merged) gives the two rows' union. And
-// rank_of_two_lists, for every rank 0..N: of one row's two half lists (the thread-per-row
-// form) and of the two lanes' joined lists (the half-row form), the largest and the rank-th
-// largest of the sort (+Inf for rank 0).
+// largest_magnitudes_by_half<N>(row) then join_halves (the half-row form's own list) against a
+// sort of the row's magnitudes: entry i of both halves is the i-th largest (0 past the row's
+// 2·kPairs values), and the same bitonic join across two lanes (one list against the other
+// reversed, then merged) gives the two rows' union. And rank_of_two_lists, for every rank
+// 0..N: of one row's two half lists (the thread-per-row form) and of the two lanes' joined
+// lists (the half-row form), the largest and the rank-th largest of the sort (+Inf for rank 0).
 template <int N, int kPairs>
 int count_wrong_top_lists(std::mt19937_64& rng, int trials) {
   int wrong = 0;
@@ -222,7 +222,8 @@ int count_wrong_top_lists(std::mt19937_64& rng, int trials) {
       uint32_t by_half[N];
       bf16x2::largest_magnitudes_by_half(rows[lane], by_half);
       check_ranks([&](int i) { return by_half[i]; }, mags[lane]);
-      bf16x2::largest_magnitudes(rows[lane], top[lane]);
+      bf16x2::largest_magnitudes_by_half(rows[lane], top[lane]);
+      bf16x2::join_halves(top[lane]);
       for (int i = 0; i < N; ++i) {
         const uint32_t want = i < int(mags[lane].size()) ? mags[lane][i] : 0u;
         wrong += (top[lane][i] & 0xffffu) != want || (top[lane][i] >> 16) != want;
@@ -239,7 +240,7 @@ int count_wrong_top_lists(std::mt19937_64& rng, int trials) {
 
 }  // namespace
 
-TEST_CASE("largest_magnitudes: the sorted top lists, lists longer than the row padded, the lane join, the rank") {
+TEST_CASE("largest_magnitudes_by_half and join_halves: the sorted top lists, lists longer than the row padded, the lane join, the rank") {
   std::mt19937_64 rng(17);
   CHECK(count_wrong_top_lists<8, 16>(rng, 3000) == 0);
   CHECK(count_wrong_top_lists<16, 16>(rng, 3000) == 0);

@@ -240,13 +240,6 @@ OSCAR_HOST_DEVICE void join_halves(uint32_t (&top)[N]) {
   merge_descending(top);
 }
 
-// The N largest magnitudes of the row, sorted descending, in both halves of top[].
-template <int N, int kPairs>
-OSCAR_HOST_DEVICE void largest_magnitudes(const uint32_t (&row)[kPairs], uint32_t (&top)[N]) {
-  largest_magnitudes_by_half(row, top);
-  join_halves(top);
-}
-
 // The R-th largest (R >= 1) of the union of two descending lists L and H, and the largest,
 // where load(i) holds L_i in its low half and H_i in its high half (i < R; the lists hold at
 // least R entries). Of the union's R largest, some j come from L and R - j from H, so the
