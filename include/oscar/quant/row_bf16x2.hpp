@@ -16,8 +16,9 @@
 //    within 16 compiles it out); past it a bitwise search with 16x2 counts. The last two lists
 //    (the halves of a row, or a half row's and its partner's) are not merged: their union's
 //    L-th largest is a max of L pairwise mins (rank_of_two_lists).
-//  - Codes are three comparisons per pair against per-group thresholds in bf16 (HSET2), not
-//    an fma and three comparisons per element: the code of x is monotone in x, so
+//  - Codes are two comparisons per pair against per-group thresholds in bf16 (HSET2; the
+//    second's threshold picked by the first), not an fma and three comparisons per element:
+//    the code of x is monotone in x, so
 //    quantize_code(clamp(x), q) >= c exactly when x >= b_c for the smallest bf16 value b_c
 //    that reaches c, found once per group: the float boundary where quantize_code's t crosses
 //    c, rounded to bf16, proven by t on that key and its neighbour (a 16-step bitwise search
@@ -419,15 +420,21 @@ OSCAR_HOST_DEVICE void pair_extremes(const uint32_t (&row)[kPairs], int first, f
   mx = low(mx2) > high(mx2) ? low(mx2) : high(mx2);
 }
 
+// Lane-wise select: the bits of x where mask is set, those of y elsewhere (one LOP3).
+OSCAR_HOST_DEVICE uint32_t select_bits(uint32_t mask, uint32_t x, uint32_t y) { return (mask & x) | (~mask & y); }
+
 // The 2-bit codes of elements 4k..4k+3 of one quarter of a group (pairs a = (4k, 4k+1) and
-// b = (4k+2, 4k+3)) against the level thresholds (each broadcast to both halves), in bits
-// `shift`, `shift` + 1 of bytes 0..3: code bit 0 is m1 ^ m2 ^ m3 and bit 1 is m2 (the masks of
-// x >= b_1, b_2, b_3 nest); the byte permutes put the low and high halves of a, then of b, in
+// b = (4k+2, 4k+3)) against the level thresholds b_1 <= b_2 <= b_3 (each broadcast to both
+// halves), in bits `shift`, `shift` + 1 of bytes 0..3. Code bit 1 is x >= b_2; bit 0 is
+// x >= b_3 where bit 1 is set and x >= b_1 where it is not, so the second comparison takes its
+// threshold by a select: two comparisons and a select per pair, where three comparisons and
+// their xor took one more. The byte permutes put the low and high halves of a, then of b, in
 // bytes 0..3.
 OSCAR_HOST_DEVICE uint32_t quarter_code_bits(uint32_t a, uint32_t b, const uint32_t (&level)[3], int shift) {
-  const uint32_t a1 = ge_mask(a, level[0]), a2 = ge_mask(a, level[1]), a3 = ge_mask(a, level[2]);
-  const uint32_t b1 = ge_mask(b, level[0]), b2 = ge_mask(b, level[1]), b3 = ge_mask(b, level[2]);
-  const uint32_t bit0 = byte_perm(a1 ^ a2 ^ a3, b1 ^ b2 ^ b3, 0x6420u);
+  const uint32_t a2 = ge_mask(a, level[1]), b2 = ge_mask(b, level[1]);
+  const uint32_t a0 = ge_mask(a, select_bits(a2, level[2], level[0]));
+  const uint32_t b0 = ge_mask(b, select_bits(b2, level[2], level[0]));
+  const uint32_t bit0 = byte_perm(a0, b0, 0x6420u);
   const uint32_t bit1 = byte_perm(a2, b2, 0x6420u);
   return ((bit0 & 0x55555555u) | (bit1 & 0xaaaaaaaau)) & (0x03030303u << shift);
 }
