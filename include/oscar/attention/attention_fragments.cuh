@@ -253,6 +253,50 @@ OSCAR_DEVICE void chunk_merge_weights(float* w, float* lse, int chunks, int tid,
   __syncthreads();
 }
 
+// Σ_k w_k·o_k over a split request's chunks, for the first `valid_rows` of kRows rows of D
+// elements (valid_rows <= kRows), into out; chunk k's rows start at base + k·stride and its
+// weights at w[k·kWeightStride]. The partial outputs are in L2, so this serial tail is a few
+// round trips: each thread owns kRows·D/threads elements and keeps kInFlight loads in flight;
+// a remainder batch is predicated, not walked a chunk per round trip (38 chunks at B = 1 32K
+// were 10 round trips, ~7.5 us on the H200). Rows past valid_rows are neither read (never
+// written) nor stored; with kEveryRow all kRows are valid. The decode kernel's last block and
+// the extend merge kernel both run it.
+template <int D, int kRows, int kWeightStride, int kThreads, int kInFlight, bool kEveryRow = false>
+OSCAR_DEVICE void merge_chunk_outputs(const float* base, size_t stride, const float* w, int chunks, int valid_rows,
+                                      float* out, int tid) {
+  constexpr int kPerThread = kRows * D / kThreads;
+  static_assert(kRows * D % kThreads == 0 && kPerThread >= 1 && kInFlight >= kPerThread);
+  constexpr int kBatch = kInFlight / kPerThread;  // chunks in flight
+  // (A constant valid_rows = kRows still left a compare per element; kEveryRow drops them.)
+  const auto valid = [&](int idx) { return kEveryRow || idx < valid_rows * D; };
+  float o[kPerThread];
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e) o[e] = 0.0f;
+  for (int k0 = 0; k0 < chunks; k0 += kBatch) {
+    float v[kBatch][kPerThread];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        const int idx = tid + e * kThreads;
+        v[k][e] = k0 + k < chunks && valid(idx) ? __ldcg(base + (k0 + k) * stride + idx) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        if (k0 + k < chunks) o[e] = fmaf(w[(k0 + k) * kWeightStride + (tid + e * kThreads) / D], v[k][e], o[e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e) {
+    const int idx = tid + e * kThreads;
+    if (valid(idx)) out[idx] = o[e];  // Σ w = 1, or every weight 0 for an empty state
+  }
+}
+
 // ---- value fragments (both kernels) ---------------------------------------------------------
 // A lane (r, j) holds the values of tokens 2j, 2j+1 (pair 0) and 2j+8, 2j+9 (pair 1) of a
 // 16-token tile, channels value_channel(r, ·). Its registers c01[i] / c89[i] hold two tokens'

@@ -1174,40 +1174,15 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const Exten
   }
   __syncthreads();  // w and the staged R_V
   chunk_merge_weights<kMergeRows>(w, lse, chunks, tid, kMergeThreads);
-  // Σ_k w_k·o_k, chunk by chunk in k order: each thread owns kPerThread elements and keeps 64
-  // loads in flight (8 chunks of 8 elements at d = 128), the last batch predicated. (A loop
-  // over a thread's elements, each with its own 8-chunk batches and a round trip per
-  // leftover chunk, chained 8 x chunks / 8 L2 round trips at d = 128; on the H200 the
-  // change measured within noise of that at Q = 64 / 256, 251 / 814 -> 249 / 809 us:
-  // the merge is a small part of those extends.)
-  constexpr int kPerThread = kMergeRows * D / kMergeThreads;
-  static_assert(kMergeRows * D % kMergeThreads == 0 && kPerThread >= 1);
-  constexpr int kBatch = 64 / kPerThread;
+  // Σ_k w_k·o_k of the 16 rows, every row (rows past n_rows are zeros and not stored below).
+  // (A loop over a thread's elements, each with its own 8-chunk batches and a round trip per
+  // leftover chunk, chained 8 x chunks / 8 L2 round trips at d = 128; on the H200 the batched
+  // form measured within noise of that at Q = 64 / 256, 251 / 814 -> 249 / 809 us: the merge
+  // is a small part of those extends.)
   const size_t chunk_stride = size_t(num_kv_heads) * kExtendRows * D;
-  const float* base = args.partial_o + slot_of(0) * D + tid;
-  float acc[kPerThread];
-#pragma unroll
-  for (int e = 0; e < kPerThread; ++e) acc[e] = 0.0f;
-  for (int k0 = 0; k0 < chunks; k0 += kBatch) {
-    float v[kBatch][kPerThread];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-#pragma unroll
-      for (int e = 0; e < kPerThread; ++e) {
-        v[k][e] = k0 + k < chunks ? __ldcg(base + (k0 + k) * chunk_stride + e * kMergeThreads) : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-#pragma unroll
-      for (int e = 0; e < kPerThread; ++e) {
-        const int rr = (tid + e * kMergeThreads) / D;
-        if (k0 + k < chunks) acc[e] = fmaf(w[(k0 + k) * kMergeRows + rr], v[k][e], acc[e]);
-      }
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < kPerThread; ++e) o[tid + e * kMergeThreads] = acc[e];
+  constexpr int kInFlight = 64;
+  merge_chunk_outputs<D, kMergeRows, kMergeRows, kMergeThreads, kInFlight, /*kEveryRow=*/true>(
+      args.partial_o + slot_of(0) * D, chunk_stride, w, chunks, kMergeRows, o, tid);
   __syncthreads();
   // Thread (i, part): output channel i of rows part, part + P, ... (P = threads / D).
   constexpr int kParts = kMergeThreads / D;

@@ -670,47 +670,6 @@ OSCAR_DEVICE void write_output_columns(const float* final_o, const PagedAttentio
   }
 }
 
-// Σ_k w_k·o_k over a split request's chunks for the block's valid columns (c < valid_cols <= NC),
-// into final_o. The partial outputs are in L2, so this serial tail of the last block is a few
-// round trips: each thread owns NC·D/threads elements and keeps up to 64 loads in flight (16 chunks
-// at a time at d = 128, GQA 4); a remainder batch is predicated, not walked a chunk per round trip
-// (38 chunks at B = 1 32K were 10 round trips, ~7.5 us on the H200).
-template <int D, int NC, int C, int kThreads>
-OSCAR_DEVICE void merge_chunk_outputs(const float* base, size_t stride, const float* w, int chunks, int valid_cols,
-                                      float* final_o, int tid) {
-  constexpr int kPerThread = NC * D / kThreads;
-  static_assert(NC * D % kThreads == 0 && kPerThread >= 1);
-  // Loads in flight: 64, or 32 where the kernel runs in 128 registers (d = 64: 64 spilled).
-  constexpr int kInFlight = KernelConfig<D>::kMinBlocks >= 4 ? 32 : 64;
-  constexpr int kBatch = kInFlight / kPerThread;  // chunks in flight
-  float o[kPerThread];
-#pragma unroll
-  for (int e = 0; e < kPerThread; ++e) o[e] = 0.0f;
-  for (int k0 = 0; k0 < chunks; k0 += kBatch) {
-    float v[kBatch][kPerThread];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-#pragma unroll
-      for (int e = 0; e < kPerThread; ++e) {
-        const int idx = tid + e * kThreads;  // columns past valid_cols were never written
-        v[k][e] = k0 + k < chunks && idx < valid_cols * D ? __ldcg(base + (k0 + k) * stride + idx) : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-#pragma unroll
-      for (int e = 0; e < kPerThread; ++e) {
-        if (k0 + k < chunks) o[e] = fmaf(w[(k0 + k) * C + (tid + e * kThreads) / D], v[k][e], o[e]);
-      }
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < kPerThread; ++e) {
-    const int idx = tid + e * kThreads;
-    if (idx < valid_cols * D) final_o[idx] = o[e];  // Σ w = 1, or every weight 0 for an empty state
-  }
-}
-
 // Shared memory of one block (dynamic), C = 8·NT columns. The q buffers are dead once the
 // fragments are built, so the warps' partial outputs reuse them.
 template <int D, int NT = 1>
@@ -1142,7 +1101,9 @@ __global__ void __launch_bounds__(KernelConfig<D, NT>::kThreads, KernelConfig<D,
     const float* base = args.partial_o + (size_t(item.first_item) * num_kv_heads + head) * C * D;
     const size_t stride = size_t(num_kv_heads) * C * D;  // one chunk further
     with_column_count<C>(valid_cols, [&]<int NC>() {
-      merge_chunk_outputs<D, NC, C, kThreads>(base, stride, w, chunks, valid_cols, final_o, tid);
+      // Loads in flight: 64, or 32 where the kernel runs in 128 registers (d = 64: 64 spilled).
+      constexpr int kInFlight = KernelConfig<D>::kMinBlocks >= 4 ? 32 : 64;
+      merge_chunk_outputs<D, NC, C, kThreads, kInFlight>(base, stride, w, chunks, valid_cols, final_o, tid);
     });
     __syncthreads();
   }
