@@ -11,14 +11,15 @@ kernels, and the clip ranks the kernels take, computed exactly as oscar::clip_ra
     plan.k_clip_rank(layer)         # int, -1 for no clipping
 
 Checks what oscar::io::load_plan checks (format, versions, tensor names, dtypes and shapes,
-finite entries, orthogonal rotations, ratios in (0, 1]) and raises PlanError naming the
-problem. `python3 oscar_plan.py PLAN` prints a summary, or the error and exit status 2.
+the content checksum where the file has one, finite entries, orthogonal rotations, ratios in
+(0, 1]) and raises PlanError naming the problem. `python3 oscar_plan.py PLAN` prints a summary, or the error and exit status 2.
 """
 
 import json
 import math
 import struct
 import sys
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,11 @@ FORMAT = "oscar-plan"
 FORMAT_VERSION = "1"
 INT2_FORMAT_VERSION = "1"  # oscar::kInt2FormatVersion: the code order the rotations were fitted for
 ORTHOGONALITY_TOLERANCE = 1e-4  # max |R R^T - I|, as oscar::io::load_plan
+CHECKSUM_KEY = "content_crc32"  # absent from plans written before it existed
+# The metadata the checksum covers, in order (oscar::io::detail::kChecksummedKeys).
+CHECKSUMMED_KEYS = ("format", "format_version", "int2_format_version", "method", "clip_method", "head_dim",
+                    "num_layers", "num_qo_heads", "num_kv_heads", "quant_group_size", "sink_tokens",
+                    "recent_tokens", "calibration_tokens")
 
 
 class PlanError(ValueError):
@@ -81,7 +87,7 @@ def _read_tensors(path: str, data: bytes):
     return header, metadata, data[8 + header_len:]
 
 
-def _tensor(path: str, header: dict, body: bytes, name: str, shape: tuple) -> np.ndarray:
+def _tensor(path: str, header: dict, body: bytes, name: str, shape: tuple, check_finite: bool = True) -> np.ndarray:
     info = header.get(name)
     if info is None:
         raise PlanError(f"{path}: tensor '{name}' is missing")
@@ -93,7 +99,7 @@ def _tensor(path: str, header: dict, body: bytes, name: str, shape: tuple) -> np
     if not (0 <= begin <= end <= len(body)) or end - begin != 4 * math.prod(shape):
         raise PlanError(f"{path}: tensor '{name}' lies outside the file or has the wrong size")
     values = np.frombuffer(body[begin:end], dtype="<f4").reshape(shape)
-    if not np.all(np.isfinite(values)):
+    if check_finite and not np.all(np.isfinite(values)):
         raise PlanError(f"{path}: tensor '{name}' has a non-finite entry")
     return values.astype(np.float32)
 
@@ -123,6 +129,14 @@ def load_plan(path: str) -> Plan:
     unexpected = sorted(set(header) - expected)
     if unexpected:
         raise PlanError(f"{path}: unexpected tensor '{unexpected[0]}'")
+    # Every tensor's name, dtype, shape and extent first, then the checksum, then the values:
+    # a corrupted file is named as one (the order of oscar::io::load_plan).
+    for l in range(layers):
+        for t in "kv":
+            _tensor(path, header, body, f"layers.{l}.{t}_rotation", (d, d), check_finite=False)
+    for t in "kv":
+        _tensor(path, header, body, f"{t}_clip_ratios", (layers,), check_finite=False)
+    _check_content(path, header, metadata, body, layers)
     rotations = {}
     for t in "kv":
         mats = []
@@ -141,6 +155,25 @@ def load_plan(path: str) -> Plan:
             raise PlanError(f"{path}: {t}_clip_ratios must lie in (0, 1]")
         ratios[t] = rho
     return Plan(metadata, rotations["k"], rotations["v"], ratios["k"], ratios["v"])
+
+
+def _check_content(path: str, header: dict, metadata: dict, body: bytes, layers: int):
+    """The CRC-32 of "key=value\\n" for each checksummed key, then of the tensors' bytes in file
+    order, against the file's content_crc32 (oscar::io::detail::plan_content_crc32)."""
+    stored = metadata.get(CHECKSUM_KEY)
+    if stored is None:
+        return
+    crc = 0
+    for key in CHECKSUMMED_KEYS:
+        crc = zlib.crc32(f"{key}={metadata.get(key, '')}\n".encode(), crc)
+    names = [f"layers.{l}.{t}_rotation" for l in range(layers) for t in "kv"] + ["k_clip_ratios", "v_clip_ratios"]
+    for name in names:
+        begin, end = header[name]["data_offsets"]
+        crc = zlib.crc32(body[begin:end], crc)
+    computed = f"{crc:08x}"
+    if stored != computed:
+        raise PlanError(f"{path}: content checksum mismatch ({CHECKSUM_KEY} {stored}, computed {computed}): "
+                        "the file is corrupted")
 
 
 def main(argv) -> int:

@@ -39,12 +39,16 @@ std::string error_of(const std::vector<uint8_t>& bytes) {
   return p.ok() ? std::string() : p.status().message();
 }
 
-// Rewrites a plan's file with one tensor replaced (or dropped when dtype is absent).
+// Rewrites a plan's file with one tensor replaced (or dropped when dtype is absent), without
+// the content checksum unless keep_checksum (so that the value checks behind it are reached,
+// as for a plan written before the checksum existed).
 std::vector<uint8_t> with_tensor(const Plan& plan, const std::string& name, DType dtype, std::vector<int64_t> shape,
-                                 std::vector<uint8_t> bytes, bool drop = false) {
+                                 std::vector<uint8_t> bytes, bool drop = false, bool keep_checksum = false) {
   auto file = SafetensorsFile::parse(*serialize_plan(plan));
   SafetensorsWriter w;
-  for (const auto& [k, v] : file->metadata()) w.set_metadata(k, v);
+  for (const auto& [k, v] : file->metadata()) {
+    if (keep_checksum || k != kPlanChecksumKey) w.set_metadata(k, v);
+  }
   bool replaced = false;
   for (const TensorInfo& t : file->tensors()) {
     if (t.name == name) {
@@ -57,11 +61,12 @@ std::vector<uint8_t> with_tensor(const Plan& plan, const std::string& name, DTyp
   if (!replaced && !drop) REQUIRE(w.add(name, dtype, shape, bytes).ok());
   return w.serialize();
 }
-std::vector<uint8_t> with_metadata(const Plan& plan, const std::string& key, const std::string* value) {
+std::vector<uint8_t> with_metadata(const Plan& plan, const std::string& key, const std::string* value,
+                                   bool keep_checksum = false) {
   auto file = SafetensorsFile::parse(*serialize_plan(plan));
   SafetensorsWriter w;
   for (const auto& [k, v] : file->metadata()) {
-    if (k != key) w.set_metadata(k, v);
+    if (k != key && (keep_checksum || k != kPlanChecksumKey)) w.set_metadata(k, v);
   }
   if (value) w.set_metadata(key, *value);
   for (const TensorInfo& t : file->tensors()) REQUIRE(w.add(t.name, t.dtype, t.shape, *file->read_bytes(t)).ok());
@@ -98,7 +103,7 @@ TEST_CASE("a plan round-trips exactly, in memory and through an atomic save") {
   CHECK(file->find("k_clip_ratios")->shape == std::vector<int64_t>{3});
   for (const char* key : {"format", "format_version", "int2_format_version", "method", "clip_method", "head_dim",
                           "num_layers", "num_qo_heads", "num_kv_heads", "quant_group_size", "sink_tokens",
-                          "recent_tokens", "calibration_tokens", "model_name"}) {
+                          "recent_tokens", "calibration_tokens", "model_name", "content_crc32"}) {
     CHECK(file->metadata().count(key) == 1);
   }
   // Saving an invalid plan fails and leaves the good file in place.
@@ -171,6 +176,55 @@ TEST_CASE("wrong dtypes, shapes, values, metadata and extra tensors are rejected
     CHECK(e.find(c.expect) != std::string::npos);
     CHECK(e.find("plan.safetensors") == 0);
   }
+}
+
+TEST_CASE("crc32 is zlib's") {
+  CHECK(crc32(std::string_view("123456789")) == 0xCBF43926u);  // the CRC-32/ISO-HDLC check value
+  CHECK(crc32(std::string_view("")) == 0u);
+  CHECK(crc32(std::string_view("6789"), crc32(std::string_view("12345"))) == 0xCBF43926u);
+}
+
+TEST_CASE("the content checksum names a changed value as corruption; plans without one still load") {
+  const Plan plan = make_plan(2);
+  const std::vector<uint8_t> good = *serialize_plan(plan);
+  const auto stored = SafetensorsFile::parse(good)->metadata().at(kPlanChecksumKey);
+  CHECK(stored.size() == 8);
+  CHECK(stored == detail::crc32_hex(detail::plan_content_crc32(SafetensorsFile::parse(good)->metadata(), plan)));
+  // Values every other check accepts: a clip ratio, one mantissa bit of a rotation entry, the
+  // sink size, the clip method.
+  std::vector<float> r = plan.layers[1].v_rotation;
+  r[100] = float_from_bits(float_bits(r[100]) ^ 1u);
+  const std::string sink = "32", fixed = "fixed", name = "another model";
+  struct Case {
+    std::vector<uint8_t> bytes;
+    const char* what;
+  };
+  const std::vector<Case> changed = {
+      {with_tensor(plan, "k_clip_ratios", DType::kF32, {2}, f32_bytes({0.9f, 0.8f}), false, true), "clip ratio"},
+      {with_tensor(plan, "layers.1.v_rotation", DType::kF32, {64, 64}, f32_bytes(r), false, true), "rotation bit"},
+      {with_metadata(plan, "sink_tokens", &sink, true), "sink_tokens"},
+      {with_metadata(plan, "clip_method", &fixed, true), "clip_method"},
+  };
+  for (const Case& c : changed) {
+    CAPTURE(c.what);
+    const std::string e = error_of(c.bytes);
+    CHECK(e.find("plan.safetensors: content checksum mismatch (content_crc32 " + stored + ", computed ") == 0);
+    CHECK(e.find("the file is corrupted") != std::string::npos);
+  }
+  // The same change in a file without the checksum (an older writer's) loads as it reads.
+  const auto unchecked = parse_plan(with_tensor(plan, "k_clip_ratios", DType::kF32, {2}, f32_bytes({0.9f, 0.8f})));
+  REQUIRE(unchecked.ok());
+  CHECK(unchecked->layers[1].k_clip_ratio == 0.8f);
+  // model_name is free text, outside the checksum.
+  CHECK(parse_plan(with_metadata(plan, "model_name", &name, true)).ok());
+  // A checksum that is not 8 hex digits is a mismatch too.
+  const std::string short_crc = "abc";
+  CHECK(error_of(with_metadata(plan, kPlanChecksumKey, &short_crc, true)).find("content checksum mismatch") !=
+        std::string::npos);
+  // Without the key the plan loads unchecked, the same plan.
+  auto old = parse_plan(with_metadata(plan, kPlanChecksumKey, nullptr));
+  REQUIRE(old.ok());
+  CHECK(*old == plan);
 }
 
 TEST_CASE("a plan for another model is refused by check_plan_matches") {

@@ -2,7 +2,7 @@
 // by oscar::io::save_plan reads back in Python with the same rotations and ratios and the
 // same clip ranks as oscar::clip_rank (ratios on and off the rank boundaries, 1 = no clipping),
 // and broken files the C++ loader refuses (empty, truncated, cut, a rotation not orthogonal,
-// another INT2 format version) are refused in Python with the problem named (exit 2). Runs Debian's python3 with python3-numpy (scripts/install-deps.sh).
+// another INT2 format version, content that does not match its checksum) are refused in Python with the problem named (exit 2). Runs Debian's python3 with python3-numpy (scripts/install-deps.sh).
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -101,12 +101,15 @@ TEST_CASE("the Python plan reader refuses broken plans and names the problem") {
       {"cut.safetensors", std::vector<uint8_t>(good.begin(), good.end() - 4), "lies outside the file"},
   };
   // Files save_plan refuses to write, rebuilt from the good one: one rotation no longer
-  // orthogonal, and a plan fitted for another INT2 code order.
+  // orthogonal (without the content checksum, as an older writer left it, and with it: then the
+  // checksum names the corruption first), and a plan fitted for another INT2 code order.
   auto file = oscar::io::SafetensorsFile::parse(good);
   REQUIRE(file.ok());
-  auto rebuilt = [&](bool skew, const char* int2_version) {
+  auto rebuilt = [&](bool skew, const char* int2_version, bool keep_checksum = false) {
     oscar::io::SafetensorsWriter w;
-    for (const auto& [k, v] : file->metadata()) w.set_metadata(k, k == "int2_format_version" ? int2_version : v);
+    for (const auto& [k, v] : file->metadata()) {
+      if (keep_checksum || k != oscar::io::kPlanChecksumKey) w.set_metadata(k, k == "int2_format_version" ? int2_version : v);
+    }
     for (const oscar::io::TensorInfo& t : file->tensors()) {
       std::vector<uint8_t> bytes = *file->read_bytes(t);
       if (skew && t.name == "layers.2.v_rotation") {
@@ -121,6 +124,9 @@ TEST_CASE("the Python plan reader refuses broken plans and names the problem") {
   };
   cases.push_back({"skewed.safetensors", rebuilt(true, "1"), "layers.2.v_rotation is not orthogonal"});
   cases.push_back({"int2v2.safetensors", rebuilt(false, "2"), "fitted for INT2 format version 2"});
+  const std::string crc = file->metadata().at(oscar::io::kPlanChecksumKey);
+  cases.push_back({"corrupted.safetensors", rebuilt(true, "1", true),
+                   "content checksum mismatch (content_crc32 " + crc + ", computed "});
   for (const Case& c : cases) {
     CAPTURE(c.name);
     const auto r = python(write(c.name, c.bytes));

@@ -7,10 +7,12 @@
 //   v_clip_ratios           F32 [num_layers]           rho_V per layer
 // with string metadata: format ("oscar-plan"), format_version, int2_format_version, method,
 // clip_method, head_dim, num_layers, num_qo_heads, num_kv_heads, quant_group_size,
-// sink_tokens, recent_tokens, calibration_tokens, model_name. docs/fitting.md lists them.
+// sink_tokens, recent_tokens, calibration_tokens, model_name, content_crc32. docs/fitting.md
+// lists them.
 //
 // Loading validates everything and names the tensor or key at fault: a truncated or corrupted
-// file, a missing or unexpected tensor, a wrong dtype or shape, a non-finite value, a matrix
+// file (content_crc32, the CRC-32 of every tensor and of the metadata but model_name, catches
+// what the structural checks cannot: a changed clip ratio, sink size or rotation entry), a missing or unexpected tensor, a wrong dtype or shape, a non-finite value, a matrix
 // that is not orthogonal (max |R·Rᵀ - I| > 1e-4), a clip ratio outside (0, 1], and (through
 // check_plan_matches) a plan fitted for another model. Saving is atomic.
 #pragma once
@@ -18,6 +20,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <set>
 #include <span>
 #include <string>
@@ -27,6 +30,7 @@
 
 #include "oscar/core/status.hpp"
 #include "oscar/host/paged_cache.hpp"
+#include "oscar/io/checksum.hpp"
 #include "oscar/io/safetensors.hpp"
 #include "oscar/quant/format.hpp"
 
@@ -38,6 +42,9 @@ inline constexpr const char* kPlanFormatTag = "oscar-plan";
 // any honest rounding and still rejects a corrupted or wrong matrix (one flipped mantissa bit
 // above bit 13 of one entry already exceeds it).
 inline constexpr double kOrthogonalityTolerance = 1e-4;
+// The metadata key of the content checksum (8 lowercase hex digits). Plans written before it
+// existed have none and load unchecked.
+inline constexpr const char* kPlanChecksumKey = "content_crc32";
 
 struct PlanLayer {
   std::vector<float> k_rotation;  // [head_dim * head_dim], row-major
@@ -114,6 +121,50 @@ inline Status parse_string(const std::map<std::string, std::string>& meta, const
   return Status::Ok();
 }
 
+// The metadata keys the content checksum covers, in this order: all of them but model_name
+// (free text, which a writer may have to re-encode as UTF-8) and the checksum itself.
+inline constexpr const char* kChecksummedKeys[] = {
+    "format",          "format_version", "int2_format_version", "method",        "clip_method",
+    "head_dim",        "num_layers",     "num_qo_heads",        "num_kv_heads",  "quant_group_size",
+    "sink_tokens",     "recent_tokens",  "calibration_tokens"};
+
+inline uint32_t crc32_of_floats(std::span<const float> values, uint32_t crc) {
+  std::vector<uint8_t> bytes(values.size() * 4);  // little-endian, as the file stores them
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint32_t b = float_bits(values[i]);
+    for (int k = 0; k < 4; ++k) bytes[4 * i + k] = static_cast<uint8_t>(b >> (8 * k));
+  }
+  return crc32(bytes, crc);
+}
+
+// CRC-32 of "key=value\n" for each checksummed key (an absent key counts as an empty value),
+// then of the tensors' little-endian bytes in file order: layers.0.k_rotation,
+// layers.0.v_rotation, layers.1.k_rotation, ..., k_clip_ratios, v_clip_ratios.
+// python/oscar_plan.py computes the same.
+inline uint32_t plan_content_crc32(const std::map<std::string, std::string>& meta, const Plan& plan) {
+  uint32_t crc = 0;
+  for (const char* key : kChecksummedKeys) {
+    const auto it = meta.find(key);
+    crc = crc32(std::string(key) + "=" + (it == meta.end() ? std::string() : it->second) + "\n", crc);
+  }
+  std::vector<float> k_clip, v_clip;
+  for (const PlanLayer& layer : plan.layers) {
+    crc = crc32_of_floats(layer.k_rotation, crc);
+    crc = crc32_of_floats(layer.v_rotation, crc);
+    k_clip.push_back(layer.k_clip_ratio);
+    v_clip.push_back(layer.v_clip_ratio);
+  }
+  crc = crc32_of_floats(k_clip, crc);
+  return crc32_of_floats(v_clip, crc);
+}
+
+inline std::string crc32_hex(uint32_t crc) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string hex(8, '0');
+  for (int i = 7; i >= 0; --i, crc >>= 4) hex[i] = kDigits[crc & 0xfu];
+  return hex;
+}
+
 }  // namespace detail
 
 // Everything a plan must satisfy, whether it comes from a fit or from a file.
@@ -167,20 +218,23 @@ inline Result<std::vector<uint8_t>> serialize_plan(const Plan& plan) {
   }
   OSCAR_RETURN_IF_ERROR(w.add_f32("k_clip_ratios", {plan.num_layers}, k_clip));
   OSCAR_RETURN_IF_ERROR(w.add_f32("v_clip_ratios", {plan.num_layers}, v_clip));
-  w.set_metadata("format", kPlanFormatTag);
-  w.set_metadata("format_version", std::to_string(plan.format_version));
-  w.set_metadata("int2_format_version", std::to_string(kInt2FormatVersion));
-  w.set_metadata("method", plan.method);
-  w.set_metadata("clip_method", plan.clip_method);
-  w.set_metadata("head_dim", std::to_string(plan.head_dim));
-  w.set_metadata("num_layers", std::to_string(plan.num_layers));
-  w.set_metadata("num_qo_heads", std::to_string(plan.num_qo_heads));
-  w.set_metadata("num_kv_heads", std::to_string(plan.num_kv_heads));
-  w.set_metadata("quant_group_size", std::to_string(plan.quant_group_size));
-  w.set_metadata("sink_tokens", std::to_string(plan.sink_tokens));
-  w.set_metadata("recent_tokens", std::to_string(plan.recent_tokens));
-  w.set_metadata("calibration_tokens", std::to_string(plan.calibration_tokens));
-  w.set_metadata("model_name", plan.model_name);
+  std::map<std::string, std::string> meta{
+      {"format", kPlanFormatTag},
+      {"format_version", std::to_string(plan.format_version)},
+      {"int2_format_version", std::to_string(kInt2FormatVersion)},
+      {"method", plan.method},
+      {"clip_method", plan.clip_method},
+      {"head_dim", std::to_string(plan.head_dim)},
+      {"num_layers", std::to_string(plan.num_layers)},
+      {"num_qo_heads", std::to_string(plan.num_qo_heads)},
+      {"num_kv_heads", std::to_string(plan.num_kv_heads)},
+      {"quant_group_size", std::to_string(plan.quant_group_size)},
+      {"sink_tokens", std::to_string(plan.sink_tokens)},
+      {"recent_tokens", std::to_string(plan.recent_tokens)},
+      {"calibration_tokens", std::to_string(plan.calibration_tokens)},
+      {"model_name", plan.model_name}};
+  meta[kPlanChecksumKey] = detail::crc32_hex(detail::plan_content_crc32(meta, plan));
+  for (const auto& [key, value] : meta) w.set_metadata(key, value);
   return w.serialize();
 }
 
@@ -264,6 +318,14 @@ inline Result<Plan> plan_from_safetensors(const SafetensorsFile& file) {
   }
   for (const TensorInfo& t : file.tensors()) {
     if (!expected.count(t.name)) return data_loss(what + ": unexpected tensor \"" + t.name + "\"");
+  }
+  // Before the value checks, so that a corrupted file is named as one.
+  if (const auto stored = meta.find(kPlanChecksumKey); stored != meta.end()) {
+    const std::string computed = detail::crc32_hex(detail::plan_content_crc32(meta, plan));
+    if (stored->second != computed) {
+      return data_loss(what + ": content checksum mismatch (" + kPlanChecksumKey + " " + stored->second +
+                       ", computed " + computed + "): the file is corrupted");
+    }
   }
   const Status valid = validate(plan);
   if (!valid.ok()) return Status(valid.code(), what + ": " + valid.message());
