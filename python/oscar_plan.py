@@ -84,6 +84,10 @@ def _read_tensors(path: str, data: bytes):
     if not isinstance(header, dict):
         raise PlanError(f"{path}: corrupted header (not a JSON object)")
     metadata = header.pop("__metadata__", {})
+    # safetensors metadata maps strings to strings (oscar::io::SafetensorsFile refuses others).
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise PlanError(f"{path}: corrupted header (__metadata__ values must be strings)")
     return header, metadata, data[8 + header_len:]
 
 
@@ -158,14 +162,18 @@ def load_plan(path: str) -> Plan:
 
 
 def _check_content(path: str, header: dict, metadata: dict, body: bytes, layers: int):
-    """The CRC-32 of "key=value\\n" for each checksummed key, then of the tensors' bytes in file
-    order, against the file's content_crc32 (oscar::io::detail::plan_content_crc32)."""
+    """The CRC-32 of "key=value\\n" for each checksummed key, then of the tensors' bytes in the
+    order below, against the file's content_crc32 (oscar::io::detail::plan_content_crc32)."""
     stored = metadata.get(CHECKSUM_KEY)
     if stored is None:
         return
     crc = 0
     for key in CHECKSUMMED_KEYS:
-        crc = zlib.crc32(f"{key}={metadata.get(key, '')}\n".encode(), crc)
+        try:
+            line = f"{key}={metadata.get(key, '')}\n".encode()
+        except UnicodeEncodeError:  # a lone surrogate escape in the JSON
+            raise PlanError(f"{path}: corrupted header (metadata '{key}' is not valid UTF-8)") from None
+        crc = zlib.crc32(line, crc)
     names = [f"layers.{l}.{t}_rotation" for l in range(layers) for t in "kv"] + ["k_clip_ratios", "v_clip_ratios"]
     for name in names:
         begin, end = header[name]["data_offsets"]

@@ -221,6 +221,19 @@ TEST_CASE("the content checksum names a changed value as corruption; plans witho
   const std::string short_crc = "abc";
   CHECK(error_of(with_metadata(plan, kPlanChecksumKey, &short_crc, true)).find("content checksum mismatch") !=
         std::string::npos);
+  // A method that is not printable ASCII is refused at save: the writer would store it as
+  // U+FFFD, and the file would then fail its own checksum. The file already there stays.
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("oscar_plan_crc_" + std::to_string(::getpid()) + ".safetensors")).string();
+  REQUIRE(save_plan(plan, path).ok());
+  Plan odd = plan;
+  odd.method = "oscar\xff";
+  CHECK(save_plan(odd, path).message() == "plan method must be printable ASCII (a name such as \"oscar\")");
+  odd = plan;
+  odd.clip_method = "fixed\n";
+  CHECK(!serialize_plan(odd).ok());
+  CHECK(*load_plan(path) == plan);
+  std::filesystem::remove(path);
   // Without the key the plan loads unchecked, the same plan.
   auto old = parse_plan(with_metadata(plan, kPlanChecksumKey, nullptr));
   REQUIRE(old.ok());

@@ -127,6 +127,20 @@ TEST_CASE("the Python plan reader refuses broken plans and names the problem") {
   const std::string crc = file->metadata().at(oscar::io::kPlanChecksumKey);
   cases.push_back({"corrupted.safetensors", rebuilt(true, "1", true),
                    "content checksum mismatch (content_crc32 " + crc + ", computed "});
+  // Header edits of the same length: a null checksum (which must not switch the check off) and
+  // a lone surrogate escape in a checksummed key, both refused with a message, not a traceback.
+  auto edited = [&](const std::string& from, const std::string& to) {
+    REQUIRE(from.size() == to.size());
+    std::string text(good.begin(), good.end());
+    const size_t at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    text.replace(at, from.size(), to);
+    return std::vector<uint8_t>(text.begin(), text.end());
+  };
+  cases.push_back({"null_crc.safetensors", edited("\"content_crc32\":\"" + crc + "\"", "\"content_crc32\":null      "),
+                   "__metadata__ values must be strings"});
+  cases.push_back({"surrogate.safetensors", edited("\"clip_method\":\"fitted\"", "\"clip_method\":\"\\ud800\""),
+                   "metadata 'clip_method' is not valid UTF-8"});
   for (const Case& c : cases) {
     CAPTURE(c.name);
     const auto r = python(write(c.name, c.bytes));

@@ -138,7 +138,7 @@ inline uint32_t crc32_of_floats(std::span<const float> values, uint32_t crc) {
 }
 
 // CRC-32 of "key=value\n" for each checksummed key (an absent key counts as an empty value),
-// then of the tensors' little-endian bytes in file order: layers.0.k_rotation,
+// then of the tensors' little-endian bytes in this order: layers.0.k_rotation,
 // layers.0.v_rotation, layers.1.k_rotation, ..., k_clip_ratios, v_clip_ratios.
 // python/oscar_plan.py computes the same.
 inline uint32_t plan_content_crc32(const std::map<std::string, std::string>& meta, const Plan& plan) {
@@ -190,6 +190,15 @@ inline Status validate(const Plan& plan) {
   }
   if (plan.sink_tokens < 0 || plan.recent_tokens < 0 || plan.calibration_tokens < 0) {
     return invalid_argument("plan sink_tokens, recent_tokens and calibration_tokens must be >= 0");
+  }
+  // Printable ASCII: the checksum covers these strings as written, and the writer would store
+  // invalid UTF-8 as U+FFFD: a plan holding other bytes would be saved unreadable.
+  for (const auto& [key, value] : {std::pair{"method", &plan.method}, std::pair{"clip_method", &plan.clip_method}}) {
+    for (const char ch : *value) {
+      if (ch < 0x20 || ch > 0x7e) {
+        return invalid_argument(std::string("plan ") + key + " must be printable ASCII (a name such as \"oscar\")");
+      }
+    }
   }
   for (int32_t l = 0; l < plan.num_layers; ++l) {
     const PlanLayer& layer = plan.layers[l];
