@@ -12,7 +12,8 @@ kernels, and the clip ranks the kernels take, computed exactly as oscar::clip_ra
 
 Checks what oscar::io::load_plan checks (format, versions, tensor names, dtypes and shapes,
 the content checksum where the file has one, finite entries, orthogonal rotations, ratios in
-(0, 1]) and raises PlanError naming the problem. `python3 oscar_plan.py PLAN` prints a summary, or the error and exit status 2.
+(0, 1]) and raises PlanError naming the problem. `python3 oscar_plan.py PLAN` prints a
+summary, or the error and exit status 2.
 """
 
 import json
@@ -91,7 +92,7 @@ def _read_tensors(path: str, data: bytes):
     return header, metadata, data[8 + header_len:]
 
 
-def _tensor(path: str, header: dict, body: bytes, name: str, shape: tuple, check_finite: bool = True) -> np.ndarray:
+def _tensor(path: str, header: dict, body: bytes, name: str, shape: tuple) -> np.ndarray:
     info = header.get(name)
     if info is None:
         raise PlanError(f"{path}: tensor '{name}' is missing")
@@ -102,10 +103,13 @@ def _tensor(path: str, header: dict, body: bytes, name: str, shape: tuple, check
     begin, end = info.get("data_offsets", (0, -1))
     if not (0 <= begin <= end <= len(body)) or end - begin != 4 * math.prod(shape):
         raise PlanError(f"{path}: tensor '{name}' lies outside the file or has the wrong size")
-    values = np.frombuffer(body[begin:end], dtype="<f4").reshape(shape)
-    if check_finite and not np.all(np.isfinite(values)):
+    return np.frombuffer(body[begin:end], dtype="<f4").reshape(shape).astype(np.float32)
+
+
+def _finite(path: str, name: str, values: np.ndarray) -> np.ndarray:
+    if not np.all(np.isfinite(values)):
         raise PlanError(f"{path}: tensor '{name}' has a non-finite entry")
-    return values.astype(np.float32)
+    return values
 
 
 def load_plan(path: str) -> Plan:
@@ -135,18 +139,16 @@ def load_plan(path: str) -> Plan:
         raise PlanError(f"{path}: unexpected tensor '{unexpected[0]}'")
     # Every tensor's name, dtype, shape and extent first, then the checksum, then the values:
     # a corrupted file is named as one (the order of oscar::io::load_plan).
-    for l in range(layers):
-        for t in "kv":
-            _tensor(path, header, body, f"layers.{l}.{t}_rotation", (d, d), check_finite=False)
-    for t in "kv":
-        _tensor(path, header, body, f"{t}_clip_ratios", (layers,), check_finite=False)
-    _check_content(path, header, metadata, body, layers)
+    names = [f"layers.{l}.{t}_rotation" for l in range(layers) for t in "kv"] + ["k_clip_ratios", "v_clip_ratios"]
+    tensors = {name: _tensor(path, header, body, name, (layers,) if name.endswith("ratios") else (d, d))
+               for name in names}
+    _check_content(path, header, metadata, body, names)
     rotations = {}
     for t in "kv":
         mats = []
         for l in range(layers):
             name = f"layers.{l}.{t}_rotation"
-            r = _tensor(path, header, body, name, (d, d))
+            r = _finite(path, name, tensors[name])
             error = np.abs(r.astype(np.float64) @ r.T.astype(np.float64) - np.eye(d)).max()
             if error > ORTHOGONALITY_TOLERANCE:
                 raise PlanError(f"{path}: {name} is not orthogonal (max |R R^T - I| = {error:.3g})")
@@ -154,16 +156,17 @@ def load_plan(path: str) -> Plan:
         rotations[t] = np.stack(mats)
     ratios = {}
     for t in "kv":
-        rho = _tensor(path, header, body, f"{t}_clip_ratios", (layers,))
+        rho = _finite(path, f"{t}_clip_ratios", tensors[f"{t}_clip_ratios"])
         if np.any(rho <= 0) or np.any(rho > 1):
             raise PlanError(f"{path}: {t}_clip_ratios must lie in (0, 1]")
         ratios[t] = rho
     return Plan(metadata, rotations["k"], rotations["v"], ratios["k"], ratios["v"])
 
 
-def _check_content(path: str, header: dict, metadata: dict, body: bytes, layers: int):
-    """The CRC-32 of "key=value\\n" for each checksummed key, then of the tensors' bytes in the
-    order below, against the file's content_crc32 (oscar::io::detail::plan_content_crc32)."""
+def _check_content(path: str, header: dict, metadata: dict, body: bytes, names: list):
+    """The CRC-32 of "key=value\\n" for each checksummed key, then of the bytes of the tensors
+    `names` in that order, against the file's content_crc32
+    (oscar::io::detail::plan_content_crc32)."""
     stored = metadata.get(CHECKSUM_KEY)
     if stored is None:
         return
@@ -174,7 +177,6 @@ def _check_content(path: str, header: dict, metadata: dict, body: bytes, layers:
         except UnicodeEncodeError:  # a lone surrogate escape in the JSON
             raise PlanError(f"{path}: corrupted header (metadata '{key}' is not valid UTF-8)") from None
         crc = zlib.crc32(line, crc)
-    names = [f"layers.{l}.{t}_rotation" for l in range(layers) for t in "kv"] + ["k_clip_ratios", "v_clip_ratios"]
     for name in names:
         begin, end = header[name]["data_offsets"]
         crc = zlib.crc32(body[begin:end], crc)

@@ -12,7 +12,8 @@
 //
 // Loading validates everything and names the tensor or key at fault: a truncated or corrupted
 // file (content_crc32, the CRC-32 of every tensor and of the metadata but model_name, catches
-// what the structural checks cannot: a changed clip ratio, sink size or rotation entry), a missing or unexpected tensor, a wrong dtype or shape, a non-finite value, a matrix
+// what the structural checks cannot: a changed clip ratio, sink size or rotation entry), a
+// missing or unexpected tensor, a wrong dtype or shape, a non-finite value, a matrix
 // that is not orthogonal (max |R·Rᵀ - I| > 1e-4), a clip ratio outside (0, 1], and (through
 // check_plan_matches) a plan fitted for another model. Saving is atomic.
 #pragma once
@@ -129,12 +130,7 @@ inline constexpr const char* kChecksummedKeys[] = {
     "sink_tokens",     "recent_tokens",  "calibration_tokens"};
 
 inline uint32_t crc32_of_floats(std::span<const float> values, uint32_t crc) {
-  std::vector<uint8_t> bytes(values.size() * 4);  // little-endian, as the file stores them
-  for (size_t i = 0; i < values.size(); ++i) {
-    const uint32_t b = float_bits(values[i]);
-    for (int k = 0; k < 4; ++k) bytes[4 * i + k] = static_cast<uint8_t>(b >> (8 * k));
-  }
-  return crc32(bytes, crc);
+  return crc32(f32_le_bytes(values), crc);  // the bytes the file stores
 }
 
 // CRC-32 of "key=value\n" for each checksummed key (an absent key counts as an empty value),

@@ -346,6 +346,16 @@ class SafetensorsFile {
 };
 
 // Collects tensors and metadata, then serializes them in one go.
+// The bytes of F32 values as safetensors stores them (little-endian, whatever the host).
+inline std::vector<uint8_t> f32_le_bytes(std::span<const float> values) {
+  std::vector<uint8_t> bytes(values.size() * 4);
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint32_t b = float_bits(values[i]);
+    for (int k = 0; k < 4; ++k) bytes[4 * i + k] = static_cast<uint8_t>(b >> (8 * k));
+  }
+  return bytes;
+}
+
 class SafetensorsWriter {
  public:
   Status add(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<uint8_t> bytes) {
@@ -369,12 +379,7 @@ class SafetensorsWriter {
     return Status::Ok();
   }
   Status add_f32(std::string name, std::vector<int64_t> shape, std::span<const float> values) {
-    std::vector<uint8_t> bytes(values.size() * 4);
-    for (size_t i = 0; i < values.size(); ++i) {
-      const uint32_t b = float_bits(values[i]);
-      for (int k = 0; k < 4; ++k) bytes[4 * i + k] = static_cast<uint8_t>(b >> (8 * k));
-    }
-    return add(std::move(name), DType::kF32, std::move(shape), std::move(bytes));
+    return add(std::move(name), DType::kF32, std::move(shape), f32_le_bytes(values));
   }
   Status add_f64(std::string name, std::vector<int64_t> shape, std::span<const double> values) {
     std::vector<uint8_t> bytes(values.size() * 8);
