@@ -8,10 +8,20 @@
 //   layers.{l}.wsum  F64 [num_kv_heads]        Σ w_t
 // and tokens / value_tokens F64 [num_layers] (exact below 2^53). Metadata: format
 // ("oscar-accumulators"), format_version, num_layers, num_qo_heads, num_kv_heads, head_dim,
-// value_weighting (none, proxy, attention_mass). Sums, not means: files merge by addition.
+// value_weighting (none, proxy, attention_mass), content_crc32. Sums, not means: files merge
+// by addition.
+//
+// content_crc32 is the CRC-32 (zlib's) of "key=value\n" for each of kAccumulatorChecksummedKeys,
+// then of every tensor's little-endian F64 bytes in the order the writer adds them
+// (layers.0.qtq, .ktk, .vtv, .wvtv, .wsum, layers.1.qtq, ..., tokens, value_tokens): a flipped
+// bit in a covariance entry, which every other check accepts, would otherwise bend the fitted
+// rotations without a word. The loader checks it after the structure and before the values,
+// so a corrupted file is named as one; files written before it (2026-12-07) load unchecked.
 #pragma once
 
 #include <cmath>
+#include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,11 +36,45 @@ namespace oscar::io {
 
 inline constexpr int32_t kAccumulatorFormatVersion = 1;
 inline constexpr const char* kAccumulatorFormatTag = "oscar-accumulators";
+inline constexpr const char* kAccumulatorChecksumKey = "content_crc32";
+
+namespace detail {
+// The metadata keys content_crc32 covers, in this order (all of them but the checksum).
+inline constexpr const char* kAccumulatorChecksummedKeys[] = {"format",       "format_version", "num_layers",
+                                                              "num_qo_heads", "num_kv_heads",   "head_dim",
+                                                              "value_weighting"};
+
+inline uint32_t accumulator_metadata_crc32(const std::map<std::string, std::string>& meta) {
+  uint32_t crc = 0;
+  for (const char* key : kAccumulatorChecksummedKeys) {
+    const auto it = meta.find(key);
+    crc = crc32(std::string(key) + "=" + (it == meta.end() ? std::string() : it->second) + "\n", crc);
+  }
+  return crc;
+}
+inline uint32_t crc32_of_doubles(std::span<const double> values, uint32_t crc) {
+  return crc32(f64_le_bytes(values), crc);  // the bytes the file stores
+}
+}  // namespace detail
 
 inline Result<std::vector<uint8_t>> serialize_accumulators(const fit::CalibrationAccumulator& acc) {
   const fit::ModelShape& s = acc.shape();
   const int64_t d = s.head_dim, h = s.num_kv_heads;
+  const std::map<std::string, std::string> meta = {
+      {"format", kAccumulatorFormatTag},
+      {"format_version", std::to_string(kAccumulatorFormatVersion)},
+      {"num_layers", std::to_string(s.num_layers)},
+      {"num_qo_heads", std::to_string(s.num_qo_heads)},
+      {"num_kv_heads", std::to_string(s.num_kv_heads)},
+      {"head_dim", std::to_string(s.head_dim)},
+      {"value_weighting", fit::to_string(acc.value_weighting())}};
+  uint32_t crc = detail::accumulator_metadata_crc32(meta);
   SafetensorsWriter w;
+  // Every tensor goes into the file and the checksum in the same order.
+  const auto add = [&](const std::string& name, std::vector<int64_t> shape, const std::vector<double>& values) {
+    crc = detail::crc32_of_doubles(values, crc);
+    return w.add_f64(name, std::move(shape), values);
+  };
   std::vector<double> tokens, value_tokens;
   auto stack = [&](const std::vector<Eigen::MatrixXd>& ms) {
     std::vector<double> out;
@@ -44,24 +88,18 @@ inline Result<std::vector<uint8_t>> serialize_accumulators(const fit::Calibratio
   };
   for (int32_t l = 0; l < s.num_layers; ++l) {
     const fit::LayerSums& sums = acc.sums(l);
-    OSCAR_RETURN_IF_ERROR(w.add_f64(layer_tensor_name(l, "qtq"), {h, d, d}, stack(sums.qtq)));
-    OSCAR_RETURN_IF_ERROR(w.add_f64(layer_tensor_name(l, "ktk"), {d, d}, stack({sums.ktk})));
-    OSCAR_RETURN_IF_ERROR(w.add_f64(layer_tensor_name(l, "vtv"), {d, d}, stack({sums.vtv})));
-    OSCAR_RETURN_IF_ERROR(w.add_f64(layer_tensor_name(l, "wvtv"), {h, d, d}, stack(sums.wvtv)));
-    const std::vector<double> wsum(sums.wsum.data(), sums.wsum.data() + h);
-    OSCAR_RETURN_IF_ERROR(w.add_f64(layer_tensor_name(l, "wsum"), {h}, wsum));
+    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "qtq"), {h, d, d}, stack(sums.qtq)));
+    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "ktk"), {d, d}, stack({sums.ktk})));
+    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "vtv"), {d, d}, stack({sums.vtv})));
+    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "wvtv"), {h, d, d}, stack(sums.wvtv)));
+    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "wsum"), {h}, std::vector<double>(sums.wsum.data(), sums.wsum.data() + h)));
     tokens.push_back(static_cast<double>(sums.tokens));
     value_tokens.push_back(static_cast<double>(sums.value_tokens));
   }
-  OSCAR_RETURN_IF_ERROR(w.add_f64("tokens", {s.num_layers}, tokens));
-  OSCAR_RETURN_IF_ERROR(w.add_f64("value_tokens", {s.num_layers}, value_tokens));
-  w.set_metadata("format", kAccumulatorFormatTag);
-  w.set_metadata("format_version", std::to_string(kAccumulatorFormatVersion));
-  w.set_metadata("num_layers", std::to_string(s.num_layers));
-  w.set_metadata("num_qo_heads", std::to_string(s.num_qo_heads));
-  w.set_metadata("num_kv_heads", std::to_string(s.num_kv_heads));
-  w.set_metadata("head_dim", std::to_string(s.head_dim));
-  w.set_metadata("value_weighting", fit::to_string(acc.value_weighting()));
+  OSCAR_RETURN_IF_ERROR(add("tokens", {s.num_layers}, tokens));
+  OSCAR_RETURN_IF_ERROR(add("value_tokens", {s.num_layers}, value_tokens));
+  for (const auto& [key, value] : meta) w.set_metadata(key, value);
+  w.set_metadata(kAccumulatorChecksumKey, detail::crc32_hex(crc));
   return w.serialize();
 }
 
@@ -106,6 +144,7 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
   }
   if (!known) return data_loss(what + ": unknown value_weighting \"" + weighting + "\"");
 
+  // Every tensor's structure (present, F64, its shape) first, all of them read.
   auto read = [&](const std::string& name, std::vector<int64_t> shape_expected) -> Result<std::vector<double>> {
     const TensorInfo* info = file.find(name);
     if (!info) return data_loss(what + ": tensor \"" + name + "\" is missing");
@@ -113,17 +152,42 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
     if (info->shape != shape_expected) {
       return data_loss(what + ": tensor \"" + name + "\" has shape " + info->shape_string());
     }
-    auto v = file.read_as<double>(*info);
-    if (!v.ok()) return v.status();
-    for (double x : *v) {
-      if (!std::isfinite(x)) return data_loss(what + ": tensor \"" + name + "\" has a non-finite entry");
-    }
-    return v;
+    return file.read_as<double>(*info);
   };
-  auto tokens = read("tokens", {layers});
-  if (!tokens.ok()) return tokens.status();
-  auto value_tokens = read("value_tokens", {layers});
-  if (!value_tokens.ok()) return value_tokens.status();
+  struct Stored {
+    std::string name;
+    std::vector<double> values;
+  };
+  std::vector<Stored> stored;  // in the writer's order: the checksum's
+  for (int32_t l = 0; l < shape.num_layers; ++l) {
+    for (const auto& [part, dims] : std::vector<std::pair<const char*, std::vector<int64_t>>>{
+             {"qtq", {kv, d, d}}, {"ktk", {d, d}}, {"vtv", {d, d}}, {"wvtv", {kv, d, d}}, {"wsum", {kv}}}) {
+      const std::string name = layer_tensor_name(l, part);
+      auto values = read(name, dims);
+      if (!values.ok()) return values.status();
+      stored.push_back({name, std::move(*values)});
+    }
+  }
+  for (const char* name : {"tokens", "value_tokens"}) {
+    auto values = read(name, {layers});
+    if (!values.ok()) return values.status();
+    stored.push_back({name, std::move(*values)});
+  }
+  // Then the checksum, before any value check, so that a corrupted file is named as one.
+  if (const auto crc_it = meta.find(kAccumulatorChecksumKey); crc_it != meta.end()) {
+    uint32_t crc = detail::accumulator_metadata_crc32(meta);
+    for (const Stored& t : stored) crc = detail::crc32_of_doubles(t.values, crc);
+    const std::string computed = detail::crc32_hex(crc);
+    if (crc_it->second != computed) {
+      return data_loss(what + ": content checksum mismatch (" + kAccumulatorChecksumKey + " " + crc_it->second +
+                       ", computed " + computed + "): the file is corrupted");
+    }
+  }
+  for (const Stored& t : stored) {
+    for (double x : t.values) {
+      if (!std::isfinite(x)) return data_loss(what + ": tensor \"" + t.name + "\" has a non-finite entry");
+    }
+  }
   auto unstack = [&](const std::vector<double>& v, int64_t index) {
     Eigen::MatrixXd m(d, d);
     for (int64_t i = 0; i < d; ++i) {
@@ -131,26 +195,23 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
     }
     return m;
   };
+  const std::vector<double>& tokens = stored[stored.size() - 2].values;
+  const std::vector<double>& value_tokens = stored.back().values;
   for (int32_t l = 0; l < shape.num_layers; ++l) {
     fit::LayerSums& s = acc.mutable_sums(l);
-    auto qtq = read(layer_tensor_name(l, "qtq"), {kv, d, d});
-    if (!qtq.ok()) return qtq.status();
-    auto ktk = read(layer_tensor_name(l, "ktk"), {d, d});
-    if (!ktk.ok()) return ktk.status();
-    auto vtv = read(layer_tensor_name(l, "vtv"), {d, d});
-    if (!vtv.ok()) return vtv.status();
-    auto wvtv = read(layer_tensor_name(l, "wvtv"), {kv, d, d});
-    if (!wvtv.ok()) return wvtv.status();
-    auto wsum = read(layer_tensor_name(l, "wsum"), {kv});
-    if (!wsum.ok()) return wsum.status();
+    const std::vector<double>& qtq = stored[5 * l].values;
+    const std::vector<double>& ktk = stored[5 * l + 1].values;
+    const std::vector<double>& vtv = stored[5 * l + 2].values;
+    const std::vector<double>& wvtv = stored[5 * l + 3].values;
+    const std::vector<double>& wsum = stored[5 * l + 4].values;
     for (int64_t h = 0; h < kv; ++h) {
-      s.qtq[h] = unstack(*qtq, h);
-      s.wvtv[h] = unstack(*wvtv, h);
-      s.wsum[h] = (*wsum)[h];
+      s.qtq[h] = unstack(qtq, h);
+      s.wvtv[h] = unstack(wvtv, h);
+      s.wsum[h] = wsum[h];
     }
-    s.ktk = unstack(*ktk, 0);
-    s.vtv = unstack(*vtv, 0);
-    const double t = (*tokens)[l], vt = (*value_tokens)[l];
+    s.ktk = unstack(ktk, 0);
+    s.vtv = unstack(vtv, 0);
+    const double t = tokens[l], vt = value_tokens[l];
     if (!(t >= 0 && vt >= 0 && t == std::floor(t) && vt == std::floor(vt) && t < 9.0e15 && vt < 9.0e15)) {
       return data_loss(what + ": tokens/value_tokens of layer " + std::to_string(l) + " are not counts");
     }

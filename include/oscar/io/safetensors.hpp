@@ -345,7 +345,6 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-// Collects tensors and metadata, then serializes them in one go.
 // The bytes of F32 values as safetensors stores them (little-endian, whatever the host).
 inline std::vector<uint8_t> f32_le_bytes(std::span<const float> values) {
   std::vector<uint8_t> bytes(values.size() * 4);
@@ -356,6 +355,18 @@ inline std::vector<uint8_t> f32_le_bytes(std::span<const float> values) {
   return bytes;
 }
 
+// The same for F64 values.
+inline std::vector<uint8_t> f64_le_bytes(std::span<const double> values) {
+  std::vector<uint8_t> bytes(values.size() * 8);
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint64_t b;
+    std::memcpy(&b, &values[i], 8);
+    for (int k = 0; k < 8; ++k) bytes[8 * i + k] = static_cast<uint8_t>(b >> (8 * k));
+  }
+  return bytes;
+}
+
+// Collects tensors and metadata, then serializes them in one go.
 class SafetensorsWriter {
  public:
   Status add(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<uint8_t> bytes) {
@@ -382,13 +393,7 @@ class SafetensorsWriter {
     return add(std::move(name), DType::kF32, std::move(shape), f32_le_bytes(values));
   }
   Status add_f64(std::string name, std::vector<int64_t> shape, std::span<const double> values) {
-    std::vector<uint8_t> bytes(values.size() * 8);
-    for (size_t i = 0; i < values.size(); ++i) {
-      uint64_t b;
-      std::memcpy(&b, &values[i], 8);
-      for (int k = 0; k < 8; ++k) bytes[8 * i + k] = static_cast<uint8_t>(b >> (8 * k));
-    }
-    return add(std::move(name), DType::kF64, std::move(shape), std::move(bytes));
+    return add(std::move(name), DType::kF64, std::move(shape), f64_le_bytes(values));
   }
   void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
 

@@ -1,0 +1,199 @@
+// Accumulator files: an exact round trip (in memory and through an atomic save), the content
+// checksum naming a changed value as corruption (before the value checks), files without one
+// loading unchecked, truncation rejected, and a bounded fuzz of the reader.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fit/fit_test_util.hpp"
+#include "oscar/io/accumulator_file.hpp"
+
+using namespace oscar;
+using namespace oscar::io;
+
+namespace {
+const fit::ModelShape kShape{2, 4, 2, 16};
+
+// Both passes over synthetic activations: C_K, C_V, A_h and attention-mass weighted values.
+fit::CalibrationAccumulator make_accumulator() {
+  auto acc = fit::CalibrationAccumulator::create(kShape);
+  REQUIRE(acc.ok());
+  const testing::Activations a = testing::make_activations(kShape, 40, 7);
+  std::vector<float> weights(static_cast<size_t>(a.tokens) * kShape.num_kv_heads);
+  std::mt19937_64 rng(3);
+  for (float& w : weights) w = std::uniform_real_distribution<float>(0.0f, 2.0f)(rng);
+  for (int32_t l = 0; l < kShape.num_layers; ++l) {
+    REQUIRE(acc->add_chunk(l, a.q.data(), a.k.data(), a.v.data(), a.tokens).ok());
+    REQUIRE(acc->add_values_weighted(l, a.v.data(), weights.data(), a.tokens).ok());
+  }
+  return std::move(*acc);
+}
+
+Result<fit::CalibrationAccumulator> parse(const std::vector<uint8_t>& bytes) {
+  auto file = SafetensorsFile::parse(bytes, "acc.safetensors");
+  if (!file.ok()) return file.status();
+  return accumulators_from_safetensors(*file);
+}
+std::string error_of(const std::vector<uint8_t>& bytes) {
+  auto acc = parse(bytes);
+  return acc.ok() ? std::string() : acc.status().message();
+}
+
+uint64_t data_start(const std::vector<uint8_t>& bytes) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
+  return 8 + n;
+}
+// Byte k of element `element` of tensor `name` in a serialized file.
+size_t byte_of(const std::vector<uint8_t>& bytes, const std::string& name, int64_t element, int k) {
+  auto file = SafetensorsFile::parse(bytes);
+  REQUIRE(file.ok());
+  const TensorInfo* info = file->find(name);
+  REQUIRE(info != nullptr);
+  return static_cast<size_t>(data_start(bytes) + info->begin + 8 * element + k);
+}
+// The same file with one metadata key set (or removed), the checksum kept or dropped.
+std::vector<uint8_t> with_metadata(const std::vector<uint8_t>& bytes, const std::string& key,
+                                   const std::string* value, bool keep_checksum) {
+  auto file = SafetensorsFile::parse(bytes);
+  REQUIRE(file.ok());
+  SafetensorsWriter w;
+  for (const auto& [k, v] : file->metadata()) {
+    if (k != key && (keep_checksum || k != kAccumulatorChecksumKey)) w.set_metadata(k, v);
+  }
+  if (value) w.set_metadata(key, *value);
+  for (const TensorInfo& t : file->tensors()) REQUIRE(w.add(t.name, t.dtype, t.shape, *file->read_bytes(t)).ok());
+  return w.serialize();
+}
+std::vector<uint8_t> without_checksum(const std::vector<uint8_t>& bytes) {
+  return with_metadata(bytes, kAccumulatorChecksumKey, nullptr, false);
+}
+
+void check_same_sums(const fit::CalibrationAccumulator& a, const fit::CalibrationAccumulator& b) {
+  CHECK(b.shape().num_layers == a.shape().num_layers);
+  CHECK(b.value_weighting() == a.value_weighting());
+  for (int32_t l = 0; l < a.shape().num_layers; ++l) {
+    const fit::LayerSums &x = a.sums(l), &y = b.sums(l);
+    // The file holds the full symmetric matrices; the accumulator fills the lower triangle.
+    CHECK(fit::detail::symmetrized(x.ktk) == y.ktk);
+    CHECK(fit::detail::symmetrized(x.vtv) == y.vtv);
+    for (int32_t h = 0; h < a.shape().num_kv_heads; ++h) {
+      CHECK(fit::detail::symmetrized(x.qtq[h]) == y.qtq[h]);
+      CHECK(fit::detail::symmetrized(x.wvtv[h]) == y.wvtv[h]);
+    }
+    CHECK(x.wsum == y.wsum);
+    CHECK(x.tokens == y.tokens);
+    CHECK(x.value_tokens == y.value_tokens);
+  }
+}
+}  // namespace
+
+TEST_CASE("accumulators round-trip exactly, in memory and through an atomic save") {
+  const fit::CalibrationAccumulator acc = make_accumulator();
+  const std::vector<uint8_t> bytes = *serialize_accumulators(acc);
+  auto back = parse(bytes);
+  REQUIRE(back.ok());
+  check_same_sums(acc, *back);
+  CHECK(back->sums(1).tokens == 40);
+
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("oscar_acc_" + std::to_string(::getpid()) + ".safetensors"))
+                               .string();
+  REQUIRE(save_accumulators(acc, path).ok());
+  auto loaded = load_accumulators(path);
+  REQUIRE(loaded.ok());
+  check_same_sums(acc, *loaded);
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("the content checksum names a changed value as corruption; files without one still load") {
+  const std::vector<uint8_t> good = *serialize_accumulators(make_accumulator());
+  const auto meta = SafetensorsFile::parse(good)->metadata();
+  const std::string stored = meta.at(kAccumulatorChecksumKey);
+  CHECK(stored.size() == 8);
+  CHECK(stored.find_first_not_of("0123456789abcdef") == std::string::npos);
+
+  // One mantissa bit of a value-pass covariance entry: a number every other check accepts.
+  std::vector<uint8_t> flipped = good;
+  flipped[byte_of(good, "layers.1.wvtv", 37, 0)] ^= 1u;
+  // The top bytes of a layer-0 C_K entry set to a NaN's.
+  std::vector<uint8_t> nan = good;
+  nan[byte_of(good, "layers.0.ktk", 5, 7)] = 0x7f;
+  nan[byte_of(good, "layers.0.ktk", 5, 6)] = 0xf8;
+  // Low mantissa bits of a token count, and a different value weighting.
+  std::vector<uint8_t> count = good;
+  count[byte_of(good, "tokens", 0, 4)] ^= 0x10u;
+  const std::string proxy = "proxy";
+  struct Case {
+    std::vector<uint8_t> bytes;
+    const char* what;
+  };
+  for (const Case& c : std::vector<Case>{{flipped, "covariance bit"},
+                                          {nan, "NaN entry"},
+                                          {count, "token count"},
+                                          {with_metadata(good, "value_weighting", &proxy, true), "value_weighting"}}) {
+    CAPTURE(c.what);
+    const std::string e = error_of(c.bytes);
+    CHECK(e.find("acc.safetensors: content checksum mismatch (content_crc32 " + stored + ", computed ") == 0);
+    CHECK(e.find("the file is corrupted") != std::string::npos);
+  }
+  // The same files without the checksum (an older writer's): the bit flip loads as it reads,
+  // the NaN is refused by the value check that names its tensor.
+  auto unchecked = parse(without_checksum(flipped));
+  REQUIRE(unchecked.ok());
+  CHECK(unchecked->sums(1).wvtv[0] != fit::detail::symmetrized(make_accumulator().sums(1).wvtv[0]));
+  CHECK(error_of(without_checksum(nan)) == "acc.safetensors: tensor \"layers.0.ktk\" has a non-finite entry");
+  // A checksum that is not 8 hex digits is a mismatch too.
+  const std::string short_crc = "abc";
+  CHECK(error_of(with_metadata(good, kAccumulatorChecksumKey, &short_crc, true)).find("content checksum mismatch") !=
+        std::string::npos);
+  // Without the key the file loads unchecked, the same sums.
+  auto old = parse(without_checksum(good));
+  REQUIRE(old.ok());
+  check_same_sums(make_accumulator(), *old);
+}
+
+TEST_CASE("a truncated accumulator file is rejected at every length") {
+  const std::vector<uint8_t> good = *serialize_accumulators(make_accumulator());
+  for (size_t n = 0; n < good.size(); n += 1 + n / 16) {
+    CAPTURE(n);
+    CHECK(!error_of(std::vector<uint8_t>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(n))).empty());
+  }
+}
+
+TEST_CASE("fuzz: mutated accumulator files never crash the reader") {
+  const std::vector<uint8_t> good = *serialize_accumulators(make_accumulator());
+  const uint64_t header_end = data_start(good);
+  std::mt19937_64 rng(2026);
+  int rejected = 0, accepted = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<uint8_t> b = good;
+    switch (trial % 3) {
+      case 0:  // a few random byte flips anywhere
+        for (int k = 0, n = 1 + static_cast<int>(rng() % 8); k < n; ++k) b[rng() % b.size()] ^= static_cast<uint8_t>(1 + rng() % 255);
+        break;
+      case 1:  // one byte of the data flipped: always caught by the checksum
+        b[header_end + rng() % (b.size() - header_end)] ^= static_cast<uint8_t>(1 + rng() % 255);
+        break;
+      default:  // truncated, then random garbage appended
+        b.resize(rng() % b.size());
+        for (int k = 0, n = static_cast<int>(rng() % 64); k < n; ++k) b.push_back(static_cast<uint8_t>(rng()));
+        break;
+    }
+    const std::string e = error_of(b);
+    if (e.empty()) {
+      ++accepted;
+    } else {
+      ++rejected;
+    }
+    if (trial % 3 == 1) CHECK(e.find("content checksum mismatch") != std::string::npos);
+  }
+  CHECK(rejected > 0);
+  MESSAGE("fuzz: " << rejected << " rejected, " << accepted << " accepted (benign mutations)");
+}
