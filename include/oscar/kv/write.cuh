@@ -606,14 +606,15 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
       }
     }
     ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    group_sync();
-    // Lanes i and i + 16 look up the slot of the warp's row i now, so the 16 lookups are in
-    // flight together (during the MMAs) instead of one dependent load per row below; both
-    // lanes of a row use it when they quantize its halves.
+    // Lanes i and i + 16 look up the slot of the warp's row i while the tile's copies are in
+    // flight, so the 16 lookups share their round trip (and the MMAs', when rotating) instead
+    // of one dependent load per row below, or one more round trip after the tile has landed
+    // where nothing is rotated; both lanes of a row use it when they quantize its halves.
     const uint32_t lane_row = first + warp * 16 + lane % 16;
     TokenSlot lane_slot{};
     if (lane_row < total) lane_slot = p.slots[lane_row / heads];
+    ptx::cp_async_wait<0>();
+    group_sync();
     if (rotation) rotate_warp_rows<kHeadDim>(tile, warp, lane);
     // Rows bound for the BF16 window: the warp stores each in 16-byte pieces (a bulk prefill's
     // warps, whose rows are all bound for INT2 pages, skip the loop's 16 rounds of shuffles).
