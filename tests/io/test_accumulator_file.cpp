@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/safetensors_edit.hpp"
 #include "fit/fit_test_util.hpp"
 #include "oscar/io/accumulator_file.hpp"
 
@@ -45,31 +46,17 @@ std::string error_of(const std::vector<uint8_t>& bytes) {
   return acc.ok() ? std::string() : acc.status().message();
 }
 
-uint64_t data_start(const std::vector<uint8_t>& bytes) {
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
-  return 8 + n;
-}
 // Byte k of element `element` of tensor `name` in a serialized file.
 size_t byte_of(const std::vector<uint8_t>& bytes, const std::string& name, int64_t element, int k) {
   auto file = SafetensorsFile::parse(bytes);
   REQUIRE(file.ok());
   const TensorInfo* info = file->find(name);
   REQUIRE(info != nullptr);
-  return static_cast<size_t>(data_start(bytes) + info->begin + 8 * element + k);
+  return static_cast<size_t>(testing::safetensors_data_start(bytes) + info->begin + 8 * element + k);
 }
-// The same file with one metadata key set (or removed), the checksum kept or dropped.
 std::vector<uint8_t> with_metadata(const std::vector<uint8_t>& bytes, const std::string& key,
                                    const std::string* value, bool keep_checksum) {
-  auto file = SafetensorsFile::parse(bytes);
-  REQUIRE(file.ok());
-  SafetensorsWriter w;
-  for (const auto& [k, v] : file->metadata()) {
-    if (k != key && (keep_checksum || k != kAccumulatorChecksumKey)) w.set_metadata(k, v);
-  }
-  if (value) w.set_metadata(key, *value);
-  for (const TensorInfo& t : file->tensors()) REQUIRE(w.add(t.name, t.dtype, t.shape, *file->read_bytes(t)).ok());
-  return w.serialize();
+  return testing::with_metadata_key(bytes, key, value, kAccumulatorChecksumKey, keep_checksum);
 }
 std::vector<uint8_t> without_checksum(const std::vector<uint8_t>& bytes) {
   return with_metadata(bytes, kAccumulatorChecksumKey, nullptr, false);
@@ -169,7 +156,7 @@ TEST_CASE("a truncated accumulator file is rejected at every length") {
 
 TEST_CASE("fuzz: mutated accumulator files never crash the reader") {
   const std::vector<uint8_t> good = *serialize_accumulators(make_accumulator());
-  const uint64_t header_end = data_start(good);
+  const uint64_t header_end = testing::safetensors_data_start(good);
   std::mt19937_64 rng(2026);
   int rejected = 0, accepted = 0;
   for (int trial = 0; trial < 2000; ++trial) {

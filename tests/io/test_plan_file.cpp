@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/random.hpp"
+#include "common/safetensors_edit.hpp"
 #include "oscar/io/plan_file.hpp"
 
 using namespace oscar;
@@ -63,24 +64,12 @@ std::vector<uint8_t> with_tensor(const Plan& plan, const std::string& name, DTyp
 }
 std::vector<uint8_t> with_metadata(const Plan& plan, const std::string& key, const std::string* value,
                                    bool keep_checksum = false) {
-  auto file = SafetensorsFile::parse(*serialize_plan(plan));
-  SafetensorsWriter w;
-  for (const auto& [k, v] : file->metadata()) {
-    if (k != key && (keep_checksum || k != kPlanChecksumKey)) w.set_metadata(k, v);
-  }
-  if (value) w.set_metadata(key, *value);
-  for (const TensorInfo& t : file->tensors()) REQUIRE(w.add(t.name, t.dtype, t.shape, *file->read_bytes(t)).ok());
-  return w.serialize();
+  return testing::with_metadata_key(*serialize_plan(plan), key, value, kPlanChecksumKey, keep_checksum);
 }
 std::vector<uint8_t> f32_bytes(const std::vector<float>& v) {
   std::vector<uint8_t> b(v.size() * 4);
   std::memcpy(b.data(), v.data(), b.size());
   return b;
-}
-uint64_t header_end(const std::vector<uint8_t>& bytes) {
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
-  return 8 + n;
 }
 }  // namespace
 
@@ -121,7 +110,7 @@ TEST_CASE("a plan round-trips exactly, in memory and through an atomic save") {
 
 TEST_CASE("truncation anywhere is rejected") {
   const std::vector<uint8_t> bytes = *serialize_plan(make_plan(2));
-  const uint64_t data_start = header_end(bytes);
+  const uint64_t data_start = testing::safetensors_data_start(bytes);
   // Every byte of the length prefix and the header, then the data section every 61 bytes and
   // at each tensor boundary.
   std::vector<size_t> cuts;
@@ -265,7 +254,7 @@ TEST_CASE("a plan for another model is refused by check_plan_matches") {
 // out of bounds (the address sanitizer build checks that part: see docs/fitting.md).
 TEST_CASE("fuzz: mutated plan files never crash the readers") {
   const std::vector<uint8_t> good = *serialize_plan(make_plan(1));
-  const uint64_t data_start = header_end(good);
+  const uint64_t data_start = testing::safetensors_data_start(good);
   std::mt19937_64 rng(12345);
   int rejected = 0, accepted = 0;
   auto run = [&](const std::vector<uint8_t>& bytes) {
