@@ -144,8 +144,8 @@ TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column t
   lengths[5] = SegmentCounts{64, 32768 - 320, 256 + 512};
   std::vector<int32_t> queries(32, 1);
   queries[5] = 512;
-  AttentionPlanOptions split;
-  split.split_mixed_batches = true;  // off by default until measured on a GPU
+  const AttentionPlanOptions split;  // the default: split, short requests over 16 MB
+  CHECK(split.split_mixed_batches);
   auto plan = make_attention_plan(headline(), lengths, queries, split);
   REQUIRE(plan.ok());
   REQUIRE(plan->column_part);
@@ -177,13 +177,27 @@ TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column t
   REQUIRE(paired->column_part);
   CHECK(paired->column_part->paired_tiles());
 
-  // The option off (the default), or short requests that read less than mixed_split_min_bytes
-  // (over every KV head): one row-tiled plan over the whole batch.
-  auto whole = make_attention_plan(headline(), lengths, queries);
+  // The option off, or short requests that read less than mixed_split_min_bytes (over every
+  // KV head): one row-tiled plan over the whole batch. The default threshold keeps a lone
+  // decode of 8K beside the chunk (~6 MB) in one plan, and splits four of them (~23 MB).
+  AttentionPlanOptions off;
+  off.split_mixed_batches = false;
+  auto whole = make_attention_plan(headline(), lengths, queries, off);
   REQUIRE(whole.ok());
   CHECK(!whole->column_part);
   CHECK(whole->row_tiled());
   check_cover(*whole, lengths, queries);
+  for (const int decodes : {1, 4}) {
+    CAPTURE(decodes);
+    std::vector<SegmentCounts> few(decodes + 1, SegmentCounts{64, 8192 - 320, 256});
+    few[0] = lengths[5];
+    std::vector<int32_t> few_queries(decodes + 1, 1);
+    few_queries[0] = 512;
+    auto by_default = make_attention_plan(headline(), few, few_queries);
+    REQUIRE(by_default.ok());
+    CHECK(static_cast<bool>(by_default->column_part) == (decodes == 4));
+    check_cover(*by_default, few, by_default->column_part ? std::vector<int32_t>{512, 0, 0, 0, 0} : few_queries);
+  }
   AttentionPlanOptions high = split;
   int64_t short_bytes = 0;
   for (size_t b = 0; b < lengths.size(); ++b) {
