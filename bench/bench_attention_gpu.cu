@@ -58,10 +58,11 @@ struct Problem {
                 d, page, int2, sink, recent, paired) {}
 
   // Request b holds length_of[b] cached tokens, its last queries_of[b] the queries (empty:
-  // decode); split_mixed: AttentionPlanOptions::split_mixed_batches.
+  // decode); split_mixed, mixed_split_min_bytes: AttentionPlanOptions' fields of those names.
   Problem(const std::vector<int64_t>& length_of, const std::vector<int32_t>& queries_of, int hq, int hkv, int d,
           int page, bool int2, int sink, int recent, int paired = kPairedByPlan,
-          bool split_mixed = AttentionPlanOptions{}.split_mixed_batches) {
+          bool split_mixed = AttentionPlanOptions{}.split_mixed_batches,
+          int64_t mixed_split_min_bytes = AttentionPlanOptions{}.mixed_split_min_bytes) {
     shape = {hq, hkv, d, d, page};
     std::mt19937_64 rng(7);
     const int batch = static_cast<int>(length_of.size());
@@ -199,6 +200,7 @@ struct Problem {
     options.paired_column_tiles = paired != kPairedNever;
     if (paired == kPairedAlways) options.paired_max_chunks_per_tile = INT32_MAX;
     options.split_mixed_batches = split_mixed;
+    options.mixed_split_min_bytes = mixed_split_min_bytes;
     auto made = make_attention_plan(shape, lengths, query_tokens, options);
     if (!made.ok()) {
       std::fprintf(stderr, "plan: %s\n", made.status().to_string().c_str());
@@ -319,13 +321,15 @@ void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, in
 // A continuous-batching step with chunked prefill: one request appends a chunk of `chunk` tokens
 // to a 32K prefix while `decodes` others decode one token each over `decode_length` tokens,
 // hq32/hkv8/d128, page 16. split_mixed: the decodes on the column kernel after the row-tiled
-// kernel (AttentionPlan::column_part), or the whole batch on the row-tiled kernel.
+// kernel (AttentionPlan::column_part) however few bytes they read (the threshold at 0, so that
+// every shape measures both forms and mixed_split_min_bytes can be set from them), or the
+// whole batch on the row-tiled kernel.
 void BM_MixedBatch(benchmark::State& state, int decodes, int64_t decode_length, int chunk, bool split_mixed) {
   std::vector<int64_t> length_of(size_t(decodes) + 1, decode_length);
   std::vector<int32_t> queries_of(size_t(decodes) + 1, 1);
   length_of[0] = 32768 + chunk;
   queries_of[0] = chunk;
-  Problem problem(length_of, queries_of, 32, 8, 128, 16, true, 64, 256, kPairedByPlan, split_mixed);
+  Problem problem(length_of, queries_of, 32, 8, 128, 16, true, 64, 256, kPairedByPlan, split_mixed, 0);
   oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
   report(state, problem);
 }
@@ -410,10 +414,11 @@ int main(int argc, char** argv) {
     int64_t decode_length;
     int chunk;
   };
-  // The last three: few decode bytes, where the split's second launch may cost more than the
-  // row-tiled kernel spends on them (AttentionPlanOptions::mixed_split_min_bytes).
+  // The last five: few decode bytes, where the split's second launch may cost more than the
+  // row-tiled kernel spends on them (AttentionPlanOptions::mixed_split_min_bytes: 1 decode of
+  // 8K reads 5.8 MB over the 8 KV heads, 2 11.7, 3 17.5, 4 23.4).
   for (const Mixed& m : {Mixed{31, 8192, 512}, Mixed{63, 8192, 64}, Mixed{15, 32768, 512}, Mixed{1, 2048, 512},
-                         Mixed{1, 8192, 512}, Mixed{4, 8192, 512}}) {
+                         Mixed{1, 8192, 512}, Mixed{2, 8192, 512}, Mixed{3, 8192, 512}, Mixed{4, 8192, 512}}) {
     const std::string shape = "/hq32_hkv8_d128/chunk" + std::to_string(m.chunk) + "_L32768+B" +
                               std::to_string(m.decodes) + "_L" + std::to_string(m.decode_length);
     for (const bool split : {true, false}) {

@@ -178,8 +178,9 @@ TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column t
   CHECK(paired->column_part->paired_tiles());
 
   // The option off, or short requests that read less than mixed_split_min_bytes (over every
-  // KV head): one row-tiled plan over the whole batch. The default threshold keeps a lone
-  // decode of 8K beside the chunk (~6 MB) in one plan, and splits four of them (~23 MB).
+  // KV head): one row-tiled plan over the whole batch. The default threshold (16 MiB) keeps
+  // one or two decodes of 8K beside the chunk (5.8 / 11.7 MB over the 8 KV heads) in one plan
+  // and splits three or four (17.5 / 23.4 MB).
   AttentionPlanOptions off;
   off.split_mixed_batches = false;
   auto whole = make_attention_plan(headline(), lengths, queries, off);
@@ -187,7 +188,7 @@ TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column t
   CHECK(!whole->column_part);
   CHECK(whole->row_tiled());
   check_cover(*whole, lengths, queries);
-  for (const int decodes : {1, 4}) {
+  for (const int decodes : {1, 2, 3, 4}) {
     CAPTURE(decodes);
     std::vector<SegmentCounts> few(decodes + 1, SegmentCounts{64, 8192 - 320, 256});
     few[0] = lengths[5];
@@ -195,8 +196,16 @@ TEST_CASE("a mixed batch: long requests on row tiles, the short ones on column t
     few_queries[0] = 512;
     auto by_default = make_attention_plan(headline(), few, few_queries);
     REQUIRE(by_default.ok());
-    CHECK(static_cast<bool>(by_default->column_part) == (decodes == 4));
-    check_cover(*by_default, few, by_default->column_part ? std::vector<int32_t>{512, 0, 0, 0, 0} : few_queries);
+    REQUIRE(static_cast<bool>(by_default->column_part) == (decodes >= 3));
+    if (by_default->column_part) {
+      std::vector<int32_t> chunk_only(decodes + 1, 0), decodes_only(decodes + 1, 1);
+      chunk_only[0] = 512;
+      decodes_only[0] = 0;
+      check_cover(*by_default, few, chunk_only);
+      check_cover(*by_default->column_part, few, decodes_only);
+    } else {
+      check_cover(*by_default, few, few_queries);
+    }
   }
   AttentionPlanOptions high = split;
   int64_t short_bytes = 0;

@@ -146,9 +146,65 @@ TEST_CASE("the content checksum names a changed value as corruption; files witho
   check_same_sums(make_accumulator(), *old);
 }
 
-TEST_CASE("a truncated accumulator file is rejected at every length") {
+TEST_CASE("the checksum is the documented recipe, recomputed from the file's own bytes") {
+  // docs/fitting.md: "key=value\n" for format, format_version, num_layers, num_qo_heads,
+  // num_kv_heads, head_dim, value_weighting, then every tensor's stored bytes in the order
+  // layers.0.qtq, .ktk, .vtv, .wvtv, .wsum, layers.1.qtq, ..., tokens, value_tokens.
   const std::vector<uint8_t> good = *serialize_accumulators(make_accumulator());
-  for (size_t n = 0; n < good.size(); n += 1 + n / 16) {
+  auto file = SafetensorsFile::parse(good);
+  REQUIRE(file.ok());
+  uint32_t crc = 0;
+  for (const char* key : {"format", "format_version", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
+                          "value_weighting"}) {
+    crc = crc32(std::string(key) + "=" + file->metadata().at(key) + "\n", crc);
+  }
+  std::vector<std::string> order;
+  for (int l = 0; l < kShape.num_layers; ++l) {
+    for (const char* part : {"qtq", "ktk", "vtv", "wvtv", "wsum"}) order.push_back("layers." + std::to_string(l) + "." + part);
+  }
+  order.insert(order.end(), {"tokens", "value_tokens"});
+  CHECK(order.size() == file->tensors().size());
+  for (const std::string& name : order) {
+    const TensorInfo* info = file->find(name);
+    REQUIRE(info != nullptr);
+    crc = crc32(*file->read_bytes(*info), crc);
+  }
+  CHECK(file->metadata().at(kAccumulatorChecksumKey) == detail::crc32_hex(crc));
+}
+
+TEST_CASE("structure errors: extra tensors, and sizes the file does not hold, refused before any allocation") {
+  const std::vector<uint8_t> good = *serialize_accumulators(make_accumulator());
+  auto file = SafetensorsFile::parse(good);
+  REQUIRE(file.ok());
+  SafetensorsWriter extra;
+  for (const auto& [k, v] : file->metadata()) extra.set_metadata(k, v);
+  for (const TensorInfo& t : file->tensors()) REQUIRE(extra.add(t.name, t.dtype, t.shape, *file->read_bytes(t)).ok());
+  REQUIRE(extra.add_f64("layers.9.ktk", {1}, std::vector<double>{1.0}).ok());
+  CHECK(error_of(extra.serialize()) == "acc.safetensors: unexpected tensor \"layers.9.ktk\"");
+  // The largest shape the metadata may name (4096 layers of 4096 heads at d = 1024: terabytes
+  // of sums) in a file of a few kilobytes: the first tensor's shape says no, nothing is allocated.
+  const std::string big_layers = "4096", big_heads = "4096", big_d = "1024";
+  std::vector<uint8_t> huge = with_metadata(good, "num_layers", &big_layers, false);
+  huge = with_metadata(huge, "num_qo_heads", &big_heads, false);
+  huge = with_metadata(huge, "num_kv_heads", &big_heads, false);
+  huge = with_metadata(huge, "head_dim", &big_d, false);
+  CHECK(error_of(huge) == "acc.safetensors: tensor \"layers.0.qtq\" has shape [2, 16, 16]");
+  // A shape the accumulators refuse (query heads not a multiple of the KV heads).
+  const std::string three = "3";
+  CHECK(error_of(with_metadata(good, "num_qo_heads", &three, false)).find("acc.safetensors: ") == 0);
+}
+
+TEST_CASE("a truncated accumulator file is rejected: every header byte, every tensor's end, and between") {
+  const std::vector<uint8_t> good = *serialize_accumulators(make_accumulator());
+  const uint64_t data = testing::safetensors_data_start(good);
+  auto file = SafetensorsFile::parse(good);
+  REQUIRE(file.ok());
+  std::vector<size_t> cuts;
+  for (size_t n = 0; n <= data; ++n) cuts.push_back(n);
+  for (const TensorInfo& t : file->tensors()) cuts.push_back(static_cast<size_t>(data + t.end - 1));
+  for (size_t n = data; n < good.size(); n += 97) cuts.push_back(n);
+  cuts.push_back(good.size() - 1);
+  for (const size_t n : cuts) {
     CAPTURE(n);
     CHECK(!error_of(std::vector<uint8_t>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(n))).empty());
   }

@@ -19,6 +19,7 @@
 // so a corrupted file is named as one; files written before it (2026-12-07) load unchecked.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <span>
@@ -131,20 +132,23 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
   OSCAR_RETURN_IF_ERROR(detail::parse_string(meta, what, "value_weighting", &weighting));
   const fit::ModelShape shape{static_cast<int32_t>(layers), static_cast<int32_t>(qo), static_cast<int32_t>(kv),
                               static_cast<int32_t>(d)};
-  auto created = fit::CalibrationAccumulator::create(shape);
-  if (!created.ok()) return Status(StatusCode::kDataLoss, what + ": " + created.status().message());
-  fit::CalibrationAccumulator acc = std::move(*created);
+  if (const Status valid = fit::validate(shape); !valid.ok()) {
+    return Status(StatusCode::kDataLoss, what + ": " + valid.message());
+  }
   bool known = false;
+  fit::ValueWeighting value_weighting = fit::ValueWeighting::kNone;
   for (fit::ValueWeighting w :
        {fit::ValueWeighting::kNone, fit::ValueWeighting::kProxy, fit::ValueWeighting::kAttentionMass}) {
     if (weighting == fit::to_string(w)) {
-      acc.set_value_weighting(w);
+      value_weighting = w;
       known = true;
     }
   }
   if (!known) return data_loss(what + ": unknown value_weighting \"" + weighting + "\"");
 
-  // Every tensor's structure (present, F64, its shape) first, all of them read.
+  // Every tensor's structure (present, F64, its shape) first, all of them read: nothing is
+  // allocated for the metadata's sizes before the file's own tensors have shown them (a
+  // corrupted num_layers or head_dim in a small file would otherwise ask for gigabytes).
   auto read = [&](const std::string& name, std::vector<int64_t> shape_expected) -> Result<std::vector<double>> {
     const TensorInfo* info = file.find(name);
     if (!info) return data_loss(what + ": tensor \"" + name + "\" is missing");
@@ -173,6 +177,14 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
     if (!values.ok()) return values.status();
     stored.push_back({name, std::move(*values)});
   }
+  // Tensors the format does not have (the checksum would not cover them).
+  if (file.tensors().size() != stored.size()) {
+    for (const TensorInfo& t : file.tensors()) {
+      if (std::none_of(stored.begin(), stored.end(), [&](const Stored& s) { return s.name == t.name; })) {
+        return data_loss(what + ": unexpected tensor \"" + t.name + "\"");
+      }
+    }
+  }
   // Then the checksum, before any value check, so that a corrupted file is named as one.
   if (const auto crc_it = meta.find(kAccumulatorChecksumKey); crc_it != meta.end()) {
     uint32_t crc = detail::accumulator_metadata_crc32(meta);
@@ -188,6 +200,10 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
       if (!std::isfinite(x)) return data_loss(what + ": tensor \"" + t.name + "\" has a non-finite entry");
     }
   }
+  auto created = fit::CalibrationAccumulator::create(shape);
+  if (!created.ok()) return Status(StatusCode::kDataLoss, what + ": " + created.status().message());
+  fit::CalibrationAccumulator acc = std::move(*created);
+  acc.set_value_weighting(value_weighting);
   auto unstack = [&](const std::vector<double>& v, int64_t index) {
     Eigen::MatrixXd m(d, d);
     for (int64_t i = 0; i < d; ++i) {
