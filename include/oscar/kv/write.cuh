@@ -539,6 +539,84 @@ inline constexpr int kTileMinBlocks = OSCAR_TILE_MIN_BLOCKS;  // measurement kno
 inline constexpr int kTileMinBlocks = 2;
 #endif
 
+// A warpgroup's half of a tile (rows [first + 64·group, first + 64·group + 64) of the plane,
+// token-major, head-minor) copied by cp.async into `rows` (swizzled, as tile_rotation.cuh reads
+// them); the caller commits and waits. A thread copies one 16-byte column of every
+// kRowStep-th row of its warpgroup's half. Its source steps by a fixed (token, head) increment
+// with one carry, and its shared address by a constant (the swizzle repeats every 8 rows): no
+// division per row (a 32-bit division by the runtime head count is ~20 instructions). The
+// step of kRowStep rows (token-major, head-minor): kRowStep / heads tokens and step_heads heads
+// on, plus one token (wrap_elements) when the head passes `heads`. (Worked out per tile: live
+// across the tile they cost the quantizer registers.)
+template <int kHeadDim>
+OSCAR_DEVICE void copy_half_tile(const AppendParams& p, const bf16_t* input, uint32_t heads, uint32_t total,
+                                 uint32_t first, int group, int group_thread, bf16_t* rows) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  constexpr int kGroupRows = kTileRows / 2;
+  constexpr int kRowStep = 128 / kChunks;
+  static_assert((kGroupRows % kRowStep) == 0 && (kRowStep & 7) == 0, "the swizzle repeats every kRowStep rows");
+  const uint32_t step_heads = kRowStep % heads;
+  const int64_t step_elements = int64_t(kRowStep / heads) * p.in_stride_token + int64_t(step_heads) * kHeadDim;
+  const int64_t wrap_elements = p.in_stride_token - int64_t(heads) * kHeadDim;
+  const int r = group * kGroupRows + group_thread / kChunks, column = (group_thread % kChunks) * 8;
+  uint32_t row = first + r, head = row % heads;
+  const bf16_t* src = input + (row / heads) * p.in_stride_token + head * kHeadDim + column;
+  const uint32_t dst = ptx::smem_address(rows + swizzled<kHeadDim>(r, column));
+  OSCAR_UNROLL
+  for (int j = 0; j < kGroupRows / kRowStep; ++j, row += kRowStep) {
+    // (rows past `total` are the tile's missing rows: never read back)
+    if (row < total) ptx::cp_async16(dst + j * kRowStep * kHeadDim * int(sizeof(bf16_t)), src);
+    head += step_heads;
+    src += step_elements;
+    if (head >= heads) {
+      head -= heads;
+      src += wrap_elements;
+    }
+  }
+}
+
+// The calling warp's 16 rows of the tile at `first`, in `rows` (swizzled), stored: rows bound
+// for the BF16 window by the warp in 16-byte pieces (a bulk prefill's warps, whose rows are all
+// bound for INT2 pages, skip that loop's 16 rounds of shuffles), rows bound for INT2 pages
+// quantized half a row per lane: lanes i and i + 16 take the halves of the warp's row i
+// (quantize_half_row_bf16x2; the swizzle puts a phase's 8 rows in 8 bank groups). lane_slot is
+// the slot of row lane_row = first + 16·warp + lane % 16.
+template <int kHeadDim, int kGroup, int kSelection>
+OSCAR_DEVICE void store_warp_rows(const AppendParams& p, const WritePlane& plane, int layer, const bf16_t* rows,
+                                  uint32_t first, uint32_t heads, uint32_t total, int warp, int lane,
+                                  uint32_t lane_row, const TokenSlot& lane_slot) {
+  constexpr int kChunks = kHeadDim / 8;
+  const bool all_int2 = __all_sync(kFullMask, lane_row >= total || lane_slot.int2);
+  for (int i = 0; i < 16 && !all_int2; ++i) {
+    const int r = warp * 16 + i;
+    const uint32_t row = first + r;
+    if (row >= total) break;
+    const uint32_t head = row % heads;
+    const TokenSlot slot{__shfl_sync(kFullMask, lane_slot.page, i), __shfl_sync(kFullMask, lane_slot.slot, i),
+                         __shfl_sync(kFullMask, lane_slot.int2, i)};
+    if (!slot.int2) {
+      bf16_t* out = plane.bf16.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
+      if (lane < kChunks) {
+        *reinterpret_cast<uint4*>(out + lane * 8) = *reinterpret_cast<const uint4*>(rows + swizzled<kHeadDim>(r, lane * 8));
+      }
+    }
+  }
+  if (lane_row < total && lane_slot.int2) {  // the same for both lanes of a row
+    const int r = warp * 16 + lane % 16, h = lane / 16;
+    uint32_t x[kHeadDim / 4];
+    OSCAR_UNROLL
+    for (int c = 0; c < kChunks / 2; ++c) {
+      const uint4 v = *reinterpret_cast<const uint4*>(rows + swizzled<kHeadDim>(r, (h * kChunks / 2 + c) * 8));
+      x[4 * c] = v.x;
+      x[4 * c + 1] = v.y;
+      x[4 * c + 2] = v.z;
+      x[4 * c + 3] = v.w;
+    }
+    uint8_t* block = plane.int2.block(lane_slot.page, lane_row % heads) + layer * p.pools.int2_stride_layer;
+    store_quantized_half_row<kHeadDim, kGroup, kSelection>(x, plane.clip_k, lane, plane.int2.layout, block, lane_slot.slot);
+  }
+}
+
 // The bulk form of append_kernel: tiles of 128 rows (token-major, head-minor) are loaded with
 // cp.async, rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that
 // rotated them: into BF16 slots in 16-byte pieces, or quantized half a row per lane. Grid: (blocks over tiles,
@@ -551,7 +629,6 @@ inline constexpr int kTileMinBlocks = 2;
 // picks it from LayeredKvPools::max_clip_distance).
 template <int kHeadDim, int kGroup, int kSelection>
 __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor_core_kernel(const AppendParams p) {
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char s_raw[];
   RotationTile<kHeadDim>& tile = *reinterpret_cast<RotationTile<kHeadDim>*>(s_raw);
   if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
@@ -565,7 +642,6 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
   const WritePlane plane = write_plane(p.pools, layer, is_value);
   const bf16_t* input = plane_input(p, layer, is_value);
   static_assert(kTileWarps == 8, "two warpgroups per block");
-  constexpr int kGroupRows = kTileRows / 2;  // a warpgroup's half of the tile
   const int group = warp / 4, group_thread = threadIdx.x % 128;
   const auto group_sync = [group] {  // the warpgroup's own barrier
     if (group == 0) {
@@ -576,35 +652,7 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
   };
   for (uint32_t first = blockIdx.x * kTileRows; first < total; first += gridDim.x * kTileRows) {
     group_sync();  // the previous tile's rows are stored before they are overwritten
-    {
-      // A thread copies one 16-byte column of every kRowStep-th row of its warpgroup's half.
-      // Its source steps by a fixed (token, head) increment with one carry, and its shared
-      // address by a constant (the swizzle repeats every 8 rows): no division per row (a 32-bit
-      // division by the runtime head count is ~20 instructions).
-      // The step of kRowStep rows (token-major, head-minor): kRowStep / heads tokens and
-      // step_heads heads on, plus one token (wrap_elements) when the head passes `heads`.
-      // (Worked out per tile: live across the tile they cost the quantizer registers.)
-      constexpr int kRowStep = 128 / kChunks;
-      static_assert((kGroupRows % kRowStep) == 0 && (kRowStep & 7) == 0, "the swizzle repeats every kRowStep rows");
-      const uint32_t step_heads = kRowStep % heads;
-      const int64_t step_elements = int64_t(kRowStep / heads) * p.in_stride_token + int64_t(step_heads) * kHeadDim;
-      const int64_t wrap_elements = p.in_stride_token - int64_t(heads) * kHeadDim;
-      const int r = group * kGroupRows + group_thread / kChunks, column = (group_thread % kChunks) * 8;
-      uint32_t row = first + r, head = row % heads;
-      const bf16_t* src = input + (row / heads) * p.in_stride_token + head * kHeadDim + column;
-      const uint32_t dst = ptx::smem_address(tile.rows + swizzled<kHeadDim>(r, column));
-      OSCAR_UNROLL
-      for (int j = 0; j < kGroupRows / kRowStep; ++j, row += kRowStep) {
-        // (rows past `total` are the tile's missing rows: never read back)
-        if (row < total) ptx::cp_async16(dst + j * kRowStep * kHeadDim * int(sizeof(bf16_t)), src);
-        head += step_heads;
-        src += step_elements;
-        if (head >= heads) {
-          head -= heads;
-          src += wrap_elements;
-        }
-      }
-    }
+    copy_half_tile<kHeadDim>(p, input, heads, total, first, group, group_thread, tile.rows);
     ptx::cp_async_commit();
     // Lanes i and i + 16 look up the slot of the warp's row i while the tile's copies are in
     // flight, so the 16 lookups share their round trip (and the MMAs', when rotating) instead
@@ -616,41 +664,59 @@ __global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor
     ptx::cp_async_wait<0>();
     group_sync();
     if (rotation) rotate_warp_rows<kHeadDim>(tile, warp, lane);
-    // Rows bound for the BF16 window: the warp stores each in 16-byte pieces (a bulk prefill's
-    // warps, whose rows are all bound for INT2 pages, skip the loop's 16 rounds of shuffles).
-    const bool all_int2 = __all_sync(kFullMask, lane_row >= total || lane_slot.int2);
-    for (int i = 0; i < 16 && !all_int2; ++i) {
-      const int r = warp * 16 + i;
-      const uint32_t row = first + r;
-      if (row >= total) break;
-      const uint32_t head = row % heads;
-      const TokenSlot slot{__shfl_sync(kFullMask, lane_slot.page, i), __shfl_sync(kFullMask, lane_slot.slot, i),
-                           __shfl_sync(kFullMask, lane_slot.int2, i)};
-      if (!slot.int2) {
-        bf16_t* out = plane.bf16.row(slot.page, head, slot.slot) + layer * p.pools.bf16_stride_layer;
-        if (lane < kChunks) {
-          *reinterpret_cast<uint4*>(out + lane * 8) =
-              *reinterpret_cast<const uint4*>(tile.rows + swizzled<kHeadDim>(r, lane * 8));
-        }
-      }
+    store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, tile.rows, first, heads, total, warp, lane, lane_row,
+                                                  lane_slot);
+  }
+}
+
+// append_tensor_core_kernel for planes that nothing rotates (an engine that applies R_K in its
+// RoPE kernel and folds R_V into W_V, or an unrotated cache): without R_hi / R_lo in shared
+// memory there is room for two tile buffers, so each warpgroup copies its next half tile while
+// it stores the current one, where the one-buffer loop copies, waits and then stores (its
+// loop without the quantizer read at ~1.9 TB/s on an H100, copy 3.0). Same bytes stored.
+// **Not yet run on a GPU** (written 2026-12-07 with the session's device time spent): the
+// launcher takes it only with -DOSCAR_APPEND_PIPELINED_UNROTATED=1 until test_write_gpu has
+// passed on it and bench_write_gpu's unrotated bulk append has measured it.
+template <int kHeadDim, int kGroup, int kSelection>
+__global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_unrotated_pipelined_kernel(const AppendParams p) {
+  extern __shared__ __align__(16) unsigned char s_raw[];
+  bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw);  // [2][kTileRows * kHeadDim]
+  if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
+  const int layer = blockIdx.y / 2;
+  const bool is_value = blockIdx.y % 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t heads = p.pools.k_int2.num_kv_heads;
+  const uint32_t total = uint32_t(p.num_tokens) * heads;
+  const WritePlane plane = write_plane(p.pools, layer, is_value);
+  const bf16_t* input = plane_input(p, layer, is_value);
+  const int group = warp / 4, group_thread = threadIdx.x % 128;
+  const auto group_sync = [group] {
+    if (group == 0) {
+      ptx::named_barrier_sync<1, 128>();
+    } else {
+      ptx::named_barrier_sync<2, 128>();
     }
-    // Rows bound for INT2 pages: lanes i and i + 16 quantize the halves of the warp's row i
-    // from shared memory (quantize_half_row_bf16x2). The swizzle puts a phase's 8 rows in 8
-    // bank groups.
-    if (lane_row < total && lane_slot.int2) {  // the same for both lanes of a row
-      const int r = warp * 16 + lane % 16, h = lane / 16;
-      uint32_t x[kHeadDim / 4];
-      OSCAR_UNROLL
-      for (int c = 0; c < kChunks / 2; ++c) {
-        const uint4 v = *reinterpret_cast<const uint4*>(tile.rows + swizzled<kHeadDim>(r, (h * kChunks / 2 + c) * 8));
-        x[4 * c] = v.x;
-        x[4 * c + 1] = v.y;
-        x[4 * c + 2] = v.z;
-        x[4 * c + 3] = v.w;
-      }
-      uint8_t* block = plane.int2.block(lane_slot.page, lane_row % heads) + layer * p.pools.int2_stride_layer;
-      store_quantized_half_row<kHeadDim, kGroup, kSelection>(x, plane.clip_k, lane, plane.int2.layout, block, lane_slot.slot);
+  };
+  const uint32_t stride = gridDim.x * kTileRows;
+  uint32_t first = blockIdx.x * kTileRows;
+  if (first < total) copy_half_tile<kHeadDim>(p, input, heads, total, first, group, group_thread, buffers);
+  ptx::cp_async_commit();
+  for (int buffer = 0; first < total; first += stride, buffer ^= 1) {
+    // The other buffer held the previous tile: every warp of the group has stored it.
+    group_sync();
+    const uint32_t next = first + stride;
+    if (next < total) {
+      copy_half_tile<kHeadDim>(p, input, heads, total, next, group, group_thread,
+                               buffers + (buffer ^ 1) * kTileRows * kHeadDim);
     }
+    ptx::cp_async_commit();  // (an empty group past the last tile)
+    const uint32_t lane_row = first + warp * 16 + lane % 16;
+    TokenSlot lane_slot{};
+    if (lane_row < total) lane_slot = p.slots[lane_row / heads];
+    ptx::cp_async_wait<1>();  // this tile's copies (all but the newest group)
+    group_sync();
+    store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, buffers + buffer * kTileRows * kHeadDim, first,
+                                                  heads, total, warp, lane, lane_row, lane_slot);
   }
 }
 
@@ -901,11 +967,42 @@ inline bool wide_clip_selection(const LayeredKvPools& pools) {
   return pools.max_clip_distance < 0 || pools.max_clip_distance > kRowBf16x2NarrowSelection;
 }
 
+// Measurement knob: =1 sends appends that rotate no plane to append_unrotated_pipelined_kernel
+// (not yet run on a GPU; see there).
+#if defined(OSCAR_APPEND_PIPELINED_UNROTATED)
+inline constexpr bool kAppendPipelinedUnrotated = OSCAR_APPEND_PIPELINED_UNROTATED;
+#else
+inline constexpr bool kAppendPipelinedUnrotated = false;
+#endif
+
+// append_unrotated_pipelined_kernel over the same grid as the one-buffer kernel.
+template <int D, int G, int S>
+Status launch_append_unrotated_pipelined(const AppendParams& params, int64_t rows, cudaStream_t stream) {
+  constexpr int smem = 2 * kTileRows * D * int(sizeof(bf16_t));
+  static const cudaError_t attribute = cudaFuncSetAttribute(append_unrotated_pipelined_kernel<D, G, S>,
+                                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
+  static const int per_sm = [] {
+    int blocks = 1;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, append_unrotated_pipelined_kernel<D, G, S>, kTileWarps * 32,
+                                                  smem);
+    return blocks > 0 ? blocks : 1;
+  }();
+  const int planes = params.pools.num_layers * 2;
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
+  const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, cap)), static_cast<unsigned>(planes));
+  append_unrotated_pipelined_kernel<D, G, S><<<grid, kTileWarps * 32, smem, stream>>>(params);
+  return cuda_status(cudaGetLastError(), "append_kv launch");
+}
+
 template <int D, int G, int S>
 Status launch_append_tensor_cores(const AppendParams& params, int64_t rows, cudaStream_t stream) {
   if constexpr (D > 128) {
     return unsupported("append_kv: no tensor-core rotation for head_dim " + std::to_string(D));
   } else {
+    const bool rotates = params.pools.k_rotation || (params.pools.v_rotation && !params.values_prerotated);
+    if (kAppendPipelinedUnrotated && !rotates) return launch_append_unrotated_pipelined<D, G, S>(params, rows, stream);
     constexpr int smem = sizeof(RotationTile<D>);
     static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
         cudaFuncSetAttribute(append_tensor_core_kernel<D, G, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
