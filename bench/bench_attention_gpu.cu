@@ -320,16 +320,17 @@ void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, in
 
 // A continuous-batching step with chunked prefill: one request appends a chunk of `chunk` tokens
 // to a 32K prefix while `decodes` others decode one token each over `decode_length` tokens,
-// hq32/hkv8/d128, page 16. split_mixed: the decodes on the column kernel after the row-tiled
+// hq/hkv/d heads, page 16. split_mixed: the decodes on the column kernel after the row-tiled
 // kernel (AttentionPlan::column_part) however few bytes they read (the threshold at 0, so that
 // every shape measures both forms and mixed_split_min_bytes can be set from them), or the
 // whole batch on the row-tiled kernel.
-void BM_MixedBatch(benchmark::State& state, int decodes, int64_t decode_length, int chunk, bool split_mixed) {
+void BM_MixedBatch(benchmark::State& state, int hq, int hkv, int d, int decodes, int64_t decode_length, int chunk,
+                   bool split_mixed) {
   std::vector<int64_t> length_of(size_t(decodes) + 1, decode_length);
   std::vector<int32_t> queries_of(size_t(decodes) + 1, 1);
   length_of[0] = 32768 + chunk;
   queries_of[0] = chunk;
-  Problem problem(length_of, queries_of, 32, 8, 128, 16, true, 64, 256, kPairedByPlan, split_mixed, 0);
+  Problem problem(length_of, queries_of, hq, hkv, d, 16, true, 64, 256, kPairedByPlan, split_mixed, 0);
   oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
   report(state, problem);
 }
@@ -410,29 +411,37 @@ int main(int argc, char** argv) {
   // whole batch on the row-tiled kernel; the prefill chunk alone and the decodes alone (an
   // extend of one token each) in the same run, for the sum the split should approach.
   struct Mixed {
+    int hq, hkv, d;
     int decodes;
     int64_t decode_length;
     int chunk;
   };
-  // The last five: few decode bytes, where the split's second launch may cost more than the
-  // row-tiled kernel spends on them (AttentionPlanOptions::mixed_split_min_bytes: 1 decode of
-  // 8K reads 5.8 MB over the 8 KV heads, 2 11.7, 3 17.5, 4 23.4).
-  for (const Mixed& m : {Mixed{31, 8192, 512}, Mixed{63, 8192, 64}, Mixed{15, 32768, 512}, Mixed{1, 2048, 512},
-                         Mixed{1, 8192, 512}, Mixed{2, 8192, 512}, Mixed{3, 8192, 512}, Mixed{4, 8192, 512}}) {
-    const std::string shape = "/hq32_hkv8_d128/chunk" + std::to_string(m.chunk) + "_L32768+B" +
+  // Past the first three of each head shape: few decode bytes, where the split's second launch
+  // may cost more than the row-tiled kernel spends on them
+  // (AttentionPlanOptions::mixed_split_min_bytes, 16 MiB: at d = 128 one decode of 8K reads
+  // 5.8 MB over the 8 KV heads, 2 11.7, 3 17.5, 4 23.4; at d = 64 with 3 KV heads ~1.2 MB, so
+  // the threshold falls between 8 and 24 of them).
+  for (const Mixed& m : {Mixed{32, 8, 128, 31, 8192, 512}, Mixed{32, 8, 128, 63, 8192, 64},
+                         Mixed{32, 8, 128, 15, 32768, 512}, Mixed{32, 8, 128, 1, 2048, 512},
+                         Mixed{32, 8, 128, 1, 8192, 512}, Mixed{32, 8, 128, 2, 8192, 512},
+                         Mixed{32, 8, 128, 3, 8192, 512}, Mixed{32, 8, 128, 4, 8192, 512},
+                         Mixed{9, 3, 64, 63, 8192, 512}, Mixed{9, 3, 64, 1, 8192, 512}, Mixed{9, 3, 64, 8, 8192, 512},
+                         Mixed{9, 3, 64, 16, 8192, 512}, Mixed{9, 3, 64, 24, 8192, 512}}) {
+    const std::string shape = "/hq" + std::to_string(m.hq) + "_hkv" + std::to_string(m.hkv) + "_d" +
+                              std::to_string(m.d) + "/chunk" + std::to_string(m.chunk) + "_L32768+B" +
                               std::to_string(m.decodes) + "_L" + std::to_string(m.decode_length);
     for (const bool split : {true, false}) {
-      benchmark::RegisterBenchmark(((split ? "mixed" : "mixed_whole") + shape).c_str(), BM_MixedBatch, m.decodes,
-                                   m.decode_length, m.chunk, split)
+      benchmark::RegisterBenchmark(((split ? "mixed" : "mixed_whole") + shape).c_str(), BM_MixedBatch, m.hq, m.hkv,
+                                   m.d, m.decodes, m.decode_length, m.chunk, split)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }
     benchmark::RegisterBenchmark(("mixed_decodes_alone" + shape).c_str(), BM_Attention, m.decodes, m.decode_length,
-                                 32, 8, 128, 16, true, 1, kPairedByPlan)
+                                 m.hq, m.hkv, m.d, 16, true, 1, kPairedByPlan)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
-    benchmark::RegisterBenchmark(("mixed_chunk_alone" + shape).c_str(), BM_Attention, 1, int64_t{32768} + m.chunk, 32,
-                                 8, 128, 16, true, m.chunk, kPairedByPlan)
+    benchmark::RegisterBenchmark(("mixed_chunk_alone" + shape).c_str(), BM_Attention, 1, int64_t{32768} + m.chunk,
+                                 m.hq, m.hkv, m.d, 16, true, m.chunk, kPairedByPlan)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
