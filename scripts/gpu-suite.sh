@@ -12,13 +12,15 @@
 # into one folder, or a build tree's root (the three subfolders are searched).
 # OSCAR_REAL_ACTIVATIONS_DIR (or BIN_DIR/real-activations) points the real-activation test at
 # its data (scripts/make-real-activations.sh); test_smollm2_gpu needs the SmolLM2 model
-# (OSCAR_MODEL, or scripts/fetch-model.sh's ~/.cache/oscar) and fails here without it. Every step's output goes to OUT_DIR/<step>.txt; the
+# (OSCAR_MODEL, or scripts/fetch-model.sh's ~/.cache/oscar) and fails here without it. The
+# benchmarks link Debian's Google Benchmark dynamically: on a GPU machine without it, copy
+# libbenchmark.so.1debian into BIN_DIR/lib (it is put on LD_LIBRARY_PATH). Every step's output goes to OUT_DIR/<step>.txt; the
 # summary (each step's exit status and last lines) to stdout. "quick" skips the sanitizers and
 # ncu. Exits non-zero when any test or sanitizer step failed (77, no device, counts as failed
 # here: this script is for machines that have one).
 set -uo pipefail
 if [[ $# -lt 2 ]]; then
-  sed -n '2,17p' "$0"
+  sed -n '2,19p' "$0"
   exit 2
 fi
 bin_dir=$1
@@ -49,6 +51,13 @@ step() {
 
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/device.txt" ||
   { echo "no CUDA device visible"; exit 1; }
+[[ -d $bin_dir/lib ]] && export LD_LIBRARY_PATH=$bin_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+for b in bench_write_gpu bench_attention_gpu; do
+  if exe=$(find_exe $b) && missing=$(ldd "$exe" 2>/dev/null | grep 'not found'); then
+    echo "== $b cannot start, a shared library is missing (copy it into $bin_dir/lib):"
+    echo "$missing" | sed 's/^/   /'
+  fi
+done
 
 real_dir=${OSCAR_REAL_ACTIVATIONS_DIR:-$bin_dir/real-activations}
 for t in test_functors_gpu test_write_gpu test_attention_gpu; do
