@@ -20,7 +20,7 @@
 # here: this script is for machines that have one).
 set -uo pipefail
 if [[ $# -lt 2 ]]; then
-  sed -n '2,19p' "$0"
+  sed -n '2,20p' "$0"
   exit 2
 fi
 bin_dir=$1
