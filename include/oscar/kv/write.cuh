@@ -975,24 +975,24 @@ inline constexpr bool kAppendPipelinedUnrotated = OSCAR_APPEND_PIPELINED_UNROTAT
 inline constexpr bool kAppendPipelinedUnrotated = false;
 #endif
 
-// append_unrotated_pipelined_kernel over the same grid as the one-buffer kernel.
-template <int D, int G, int S>
-Status launch_append_unrotated_pipelined(const AppendParams& params, int64_t rows, cudaStream_t stream) {
-  constexpr int smem = 2 * kTileRows * D * int(sizeof(bf16_t));
-  static const cudaError_t attribute = cudaFuncSetAttribute(append_unrotated_pipelined_kernel<D, G, S>,
-                                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+// Launches a tile kernel (append_tensor_core_kernel, append_unrotated_pipelined_kernel) with
+// kSmem bytes of shared memory over enough blocks to fill the GPU once; each block loops over
+// tiles. The opt-in and the occupancy query run once per kernel.
+template <auto kKernel, int kSmem>
+Status launch_tile_kernel(const AppendParams& params, int64_t rows, cudaStream_t stream) {
+  static const cudaError_t attribute =  // opt in to > 48 KB
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
   static const int per_sm = [] {
     int blocks = 1;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, append_unrotated_pipelined_kernel<D, G, S>, kTileWarps * 32,
-                                                  smem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kTileWarps * 32, kSmem);
     return blocks > 0 ? blocks : 1;
   }();
   const int planes = params.pools.num_layers * 2;
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
   const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
   const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, cap)), static_cast<unsigned>(planes));
-  append_unrotated_pipelined_kernel<D, G, S><<<grid, kTileWarps * 32, smem, stream>>>(params);
+  kKernel<<<grid, kTileWarps * 32, kSmem, stream>>>(params);
   return cuda_status(cudaGetLastError(), "append_kv launch");
 }
 
@@ -1002,23 +1002,11 @@ Status launch_append_tensor_cores(const AppendParams& params, int64_t rows, cuda
     return unsupported("append_kv: no tensor-core rotation for head_dim " + std::to_string(D));
   } else {
     const bool rotates = params.pools.k_rotation || (params.pools.v_rotation && !params.values_prerotated);
-    if (kAppendPipelinedUnrotated && !rotates) return launch_append_unrotated_pipelined<D, G, S>(params, rows, stream);
-    constexpr int smem = sizeof(RotationTile<D>);
-    static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
-        cudaFuncSetAttribute(append_tensor_core_kernel<D, G, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
-    static const int per_sm = [] {
-      int blocks = 1;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, append_tensor_core_kernel<D, G, S>, kTileWarps * 32, smem);
-      return blocks > 0 ? blocks : 1;
-    }();
-    // Enough blocks to fill the GPU once; each stages its plane's R once and loops over tiles.
-    const int planes = params.pools.num_layers * 2;
-    const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-    const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
-    const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, cap)), static_cast<unsigned>(planes));
-    append_tensor_core_kernel<D, G, S><<<grid, kTileWarps * 32, smem, stream>>>(params);
-    return cuda_status(cudaGetLastError(), "append_kv launch");
+    if (kAppendPipelinedUnrotated && !rotates) {
+      return launch_tile_kernel<append_unrotated_pipelined_kernel<D, G, S>, 2 * kTileRows * D * int(sizeof(bf16_t))>(
+          params, rows, stream);
+    }
+    return launch_tile_kernel<append_tensor_core_kernel<D, G, S>, int(sizeof(RotationTile<D>))>(params, rows, stream);
   }
 }
 
