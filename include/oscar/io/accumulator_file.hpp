@@ -71,10 +71,11 @@ inline Result<std::vector<uint8_t>> serialize_accumulators(const fit::Calibratio
       {"value_weighting", fit::to_string(acc.value_weighting())}};
   uint32_t crc = detail::accumulator_metadata_crc32(meta);
   SafetensorsWriter w;
-  // Every tensor goes into the file and the checksum in the same order.
+  // Every tensor goes into the file and the checksum in the same order, its bytes encoded once.
   const auto add = [&](const std::string& name, std::vector<int64_t> shape, const std::vector<double>& values) {
-    crc = detail::crc32_of_doubles(values, crc);
-    return w.add_f64(name, std::move(shape), values);
+    std::vector<uint8_t> bytes = f64_le_bytes(values);
+    crc = crc32(bytes, crc);
+    return w.add(name, DType::kF64, std::move(shape), std::move(bytes));
   };
   std::vector<double> tokens, value_tokens;
   auto stack = [&](const std::vector<Eigen::MatrixXd>& ms) {
