@@ -102,8 +102,12 @@ TEST_CASE("bulk append on tensor cores: rotation within one bf16 step, quantizat
       // head counts of 1 and 16 (the tile loads' head step is 0, or a warp holds one token).
       {2, 1, 128, 128, 16, 300, false, 24}, {1, 16, 64, 64, 8, 200, false, 64}, {1, 3, 128, 128, 16, 250, false, 8},
       // Decode-sized appends (kTensorCores insists on tensor cores below kAuto's 4096 rows):
-      // one token of 8 heads (8 rows of a 128-row tile), and 64 tokens (4 tiles per plane).
-      {2, 8, 128, 128, 16, 1, false}, {2, 8, 128, 128, 16, 64, false}};
+      // one token of 8 heads (8 rows of one warpgroup's 64), and 64 tokens (8 warpgroups' rows
+      // per plane).
+      {2, 8, 128, 128, 16, 1, false}, {2, 8, 128, 128, 16, 64, false},
+      // Enough rows that every warpgroup of a launch (one wave) loops over several units of 64
+      // rows, the last one partial: its two row buffers alternate, each reused.
+      {1, 8, 128, 128, 16, 8200, false}, {1, 4, 64, 32, 16, 9001, true}};
   // The authors' clip ratios (clip distances within the sorted top-8 / top-16 selections);
   // 0.85 / 0.80 (distances 20 and 26 at d = 128: the top-32 selection); 0.75 / 0.70 (32, the
   // top-32's last, and 39: the bitwise search, its counts exchanged within each pair of lanes

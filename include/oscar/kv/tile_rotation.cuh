@@ -25,12 +25,9 @@
 
 namespace oscar::write_detail {
 
-// 8 warps x 16 rows: each warp owns the 16 rows of its MMA M dimension (on sm_90a, warps
-// 4g .. 4g + 3 are warpgroup g and its 64 rows). Eight warps share one staged R (64 KB at
-// d = 128), so two blocks per SM keep 16 warps resident for the latency-bound quantizer that
-// follows.
-inline constexpr int kTileWarps = 8;
-inline constexpr int kTileRows = kTileWarps * 16;
+// A warpgroup's rows: 4 warps x 16, each warp owning the 16 rows of its place in the warpgroup
+// MMA's M dimension (on sm_90a, warps 4g .. 4g + 3 are warpgroup g).
+inline constexpr int kWarpgroupRows = 64;
 
 // Element (row, col) of a [rows][D] bf16 array in shared memory: the 16-byte chunk c of row r
 // sits at chunk c ^ (r % 8), so the 8 rows one ldmatrix phase reads fall in 8 different
@@ -76,11 +73,11 @@ OSCAR_DEVICE uint32_t rotated_pair_bits(float lo, float hi) {
   }
 }
 
+// R as the block's MMAs read it.
 template <int D>
-struct RotationTile {
+struct StagedRotation {
   bf16_t r_hi[D * D];  // R_hi at rotation_index(i, j)
   bf16_t r_lo[D * D];
-  bf16_t rows[kTileRows * D];  // the tile's input rows, overwritten by the rotated rows
 };
 
 // An element of R as its bf16 parts: hi = bf16(r), lo = bf16(r - hi).
@@ -94,7 +91,7 @@ OSCAR_DEVICE Bf16Split split_bf16(float r) {
 
 // R (16-byte aligned, row-major) -> the block's R_hi / R_lo. All threads; ends synchronized.
 template <int D>
-OSCAR_DEVICE void stage_rotation(const float* rotation, RotationTile<D>& tile) {
+OSCAR_DEVICE void stage_rotation(const float* rotation, StagedRotation<D>& tile) {
 #if defined(OSCAR_HAS_WGMMA)
   // A thread takes 8 input channels of one output channel (one 16-byte piece of a core
   // matrix); the lanes of a warp read 32 consecutive output channels of each row of R.
@@ -129,14 +126,15 @@ OSCAR_DEVICE void stage_rotation(const float* rotation, RotationTile<D>& tile) {
   __syncthreads();
 }
 
-// The calling warp's 16 rows of tile.rows (rows 16·warp ...) become their rotation, rounded
-// to bf16 (float_to_bf16's bytes: ties to even, one canonical NaN). Touches no other rows. On sm_90a
-// the block's warps call it together, four at a time as warpgroups: each warpgroup MMA
-// multiplies the 64 rows of 4 warps by a 16-deep slice of R_lo or R_hi read once from shared
-// memory, where mma.sync's warps each read all of R per 16 rows (64 KB at d = 128: shared-
-// memory bandwidth bound the rotation).
+// The calling warp's 16 rows of `tile_rows` (swizzled; rows 16·warp ...) become their
+// rotation, rounded to bf16 (float_to_bf16's bytes: ties to even, one canonical NaN). Touches
+// no other rows. On sm_90a the 4 warps of a warpgroup call it together, with warp = 4k .. 4k + 3
+// for rows 64k .. 64k + 63 of tile_rows (warp % 4 is the warp's place in the warpgroup MMA's
+// M): each warpgroup MMA multiplies the 64 rows of 4 warps by a 16-deep slice of R_lo or R_hi
+// read once from shared memory, where mma.sync's warps each read all of R per 16 rows (64 KB
+// at d = 128: shared-memory bandwidth bound the rotation).
 template <int D>
-OSCAR_DEVICE void rotate_warp_rows(RotationTile<D>& tile, int warp, int lane) {
+OSCAR_DEVICE void rotate_warp_rows(const StagedRotation<D>& tile, bf16_t* tile_rows, int warp, int lane) {
   float acc[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -144,7 +142,7 @@ OSCAR_DEVICE void rotate_warp_rows(RotationTile<D>& tile, int warp, int lane) {
   // m = (row half, k half) = (m & 1, m >> 1).
   const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int half = (lane >> 4) * 8;
-  const uint32_t rows = ptx::smem_address(tile.rows), hi = ptx::smem_address(tile.r_hi),
+  const uint32_t rows = ptx::smem_address(tile_rows), hi = ptx::smem_address(tile.r_hi),
                  lo = ptx::smem_address(tile.r_lo);
 #if defined(OSCAR_HAS_WGMMA)
   // The MMAs read their A registers asynchronously, until the wait: half of the k-steps' A
@@ -204,8 +202,8 @@ OSCAR_DEVICE void rotate_warp_rows(RotationTile<D>& tile, int warp, int lane) {
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
     const int col = n * 8 + c0;
-    *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0, col)) = rotated_pair_bits(acc[n][0], acc[n][1]);
-    *reinterpret_cast<uint32_t*>(tile.rows + swizzled<D>(r0 + 8, col)) = rotated_pair_bits(acc[n][2], acc[n][3]);
+    *reinterpret_cast<uint32_t*>(tile_rows + swizzled<D>(r0, col)) = rotated_pair_bits(acc[n][0], acc[n][1]);
+    *reinterpret_cast<uint32_t*>(tile_rows + swizzled<D>(r0 + 8, col)) = rotated_pair_bits(acc[n][2], acc[n][3]);
   }
   __syncwarp();
 }

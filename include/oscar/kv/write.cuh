@@ -530,40 +530,30 @@ OSCAR_DEVICE void store_quantized_half_row(const uint32_t (&x)[kHeadDim / 4], in
   }
 }
 
-// Two blocks per SM (16 warps: the copies and the quantizer are latency-bound) cap the
-// kernel at 128 registers, which the half-row quantizer fits (a row per thread took 177, or
-// 88 bytes of spills at 128: 406 / 323 us against 279 with half rows, H100).
-#if defined(OSCAR_TILE_MIN_BLOCKS)
-inline constexpr int kTileMinBlocks = OSCAR_TILE_MIN_BLOCKS;  // measurement knob
-#else
-inline constexpr int kTileMinBlocks = 2;
-#endif
-
-// A warpgroup's half of a tile (rows [first + 64·group, first + 64·group + 64) of the plane,
-// token-major, head-minor) copied by cp.async into `rows` (swizzled, as tile_rotation.cuh reads
-// them); the caller commits and waits. A thread copies one 16-byte column of every
-// kRowStep-th row of its warpgroup's half. Its source steps by a fixed (token, head) increment
-// with one carry, and its shared address by a constant (the swizzle repeats every 8 rows): no
-// division per row (a 32-bit division by the runtime head count is ~20 instructions). The
-// step of kRowStep rows (token-major, head-minor): kRowStep / heads tokens and step_heads heads
-// on, plus one token (wrap_elements) when the head passes `heads`. (Worked out per tile: live
-// across the tile they cost the quantizer registers.)
+// A warpgroup's kWarpgroupRows rows [first, first + 64) of the plane (token-major, head-minor)
+// copied by cp.async into `rows` (swizzled, as tile_rotation.cuh reads them); the caller
+// commits and waits. A thread copies one 16-byte column of every kRowStep-th row. Its source
+// steps by a fixed (token, head) increment with one carry, and its shared address by a
+// constant (the swizzle repeats every 8 rows): no division per row (a 32-bit division by the
+// runtime head count is ~20 instructions). The step of kRowStep rows (token-major,
+// head-minor): kRowStep / heads tokens and step_heads heads on, plus one token (wrap_elements)
+// when the head passes `heads`. (Worked out per call: live across the loop they cost the
+// quantizer registers.)
 template <int kHeadDim>
-OSCAR_DEVICE void copy_half_tile(const AppendParams& p, const bf16_t* input, uint32_t heads, uint32_t total,
-                                 uint32_t first, int group, int group_thread, bf16_t* rows) {
+OSCAR_DEVICE void copy_warpgroup_rows(const AppendParams& p, const bf16_t* input, uint32_t heads, uint32_t total,
+                                      uint32_t first, int group_thread, bf16_t* rows) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  constexpr int kGroupRows = kTileRows / 2;
   constexpr int kRowStep = 128 / kChunks;
-  static_assert((kGroupRows % kRowStep) == 0 && (kRowStep & 7) == 0, "the swizzle repeats every kRowStep rows");
+  static_assert((kWarpgroupRows % kRowStep) == 0 && (kRowStep & 7) == 0, "the swizzle repeats every kRowStep rows");
   const uint32_t step_heads = kRowStep % heads;
   const int64_t step_elements = int64_t(kRowStep / heads) * p.in_stride_token + int64_t(step_heads) * kHeadDim;
   const int64_t wrap_elements = p.in_stride_token - int64_t(heads) * kHeadDim;
-  const int r = group * kGroupRows + group_thread / kChunks, column = (group_thread % kChunks) * 8;
+  const int r = group_thread / kChunks, column = (group_thread % kChunks) * 8;
   uint32_t row = first + r, head = row % heads;
   const bf16_t* src = input + (row / heads) * p.in_stride_token + head * kHeadDim + column;
   const uint32_t dst = ptx::smem_address(rows + swizzled<kHeadDim>(r, column));
   OSCAR_UNROLL
-  for (int j = 0; j < kGroupRows / kRowStep; ++j, row += kRowStep) {
+  for (int j = 0; j < kWarpgroupRows / kRowStep; ++j, row += kRowStep) {
     // (rows past `total` are the tile's missing rows: never read back)
     if (row < total) ptx::cp_async16(dst + j * kRowStep * kHeadDim * int(sizeof(bf16_t)), src);
     head += step_heads;
@@ -617,106 +607,81 @@ OSCAR_DEVICE void store_warp_rows(const AppendParams& p, const WritePlane& plane
   }
 }
 
-// The bulk form of append_kernel: tiles of 128 rows (token-major, head-minor) are loaded with
-// cp.async, rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that
-// rotated them: into BF16 slots in 16-byte pieces, or quantized half a row per lane. Grid: (blocks over tiles,
-// layer * 2 + K/V); each block stages its plane's R once and loops over tiles. Each
-// warpgroup (4 warps, 64 rows: one warpgroup MMA's M) loads and waits for its own half of a
-// tile behind a barrier of its own, so the two halves of a block go through their loads,
-// MMAs and quantization independently instead of in lockstep, and the SM's four warpgroups
-// keep its tensor cores, ALUs and memory busy at different times.
-// kSelection: the widest sorted clip selection compiled in (quantize_row_bf16x2; the launcher
-// picks it from LayeredKvPools::max_clip_distance).
-template <int kHeadDim, int kGroup, int kSelection>
-__global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_tensor_core_kernel(const AppendParams p) {
-  extern __shared__ __align__(16) unsigned char s_raw[];
-  RotationTile<kHeadDim>& tile = *reinterpret_cast<RotationTile<kHeadDim>*>(s_raw);
-  if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
-  const int layer = blockIdx.y / 2;
-  const bool is_value = blockIdx.y % 2;
-  const float* rotation = plane_rotation<kHeadDim>(p, layer, is_value);
-  if (rotation) stage_rotation<kHeadDim>(rotation, tile);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t heads = p.pools.k_int2.num_kv_heads;
-  const uint32_t total = uint32_t(p.num_tokens) * heads;
-  const WritePlane plane = write_plane(p.pools, layer, is_value);
-  const bf16_t* input = plane_input(p, layer, is_value);
-  static_assert(kTileWarps == 8, "two warpgroups per block");
-  const int group = warp / 4, group_thread = threadIdx.x % 128;
-  const auto group_sync = [group] {  // the warpgroup's own barrier
-    if (group == 0) {
-      ptx::named_barrier_sync<1, 128>();
-    } else {
-      ptx::named_barrier_sync<2, 128>();
-    }
-  };
-  for (uint32_t first = blockIdx.x * kTileRows; first < total; first += gridDim.x * kTileRows) {
-    group_sync();  // the previous tile's rows are stored before they are overwritten
-    copy_half_tile<kHeadDim>(p, input, heads, total, first, group, group_thread, tile.rows);
-    ptx::cp_async_commit();
-    // Lanes i and i + 16 look up the slot of the warp's row i while the tile's copies are in
-    // flight, so the 16 lookups share their round trip (and the MMAs', when rotating) instead
-    // of one dependent load per row below, or one more round trip after the tile has landed
-    // where nothing is rotated; both lanes of a row use it when they quantize its halves.
-    const uint32_t lane_row = first + warp * 16 + lane % 16;
-    TokenSlot lane_slot{};
-    if (lane_row < total) lane_slot = p.slots[lane_row / heads];
-    ptx::cp_async_wait<0>();
-    group_sync();
-    if (rotation) rotate_warp_rows<kHeadDim>(tile, warp, lane);
-    store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, tile.rows, first, heads, total, warp, lane, lane_row,
-                                                  lane_slot);
-  }
-}
+// The bulk form of append_kernel: rows (token-major, head-minor) are loaded with cp.async,
+// rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that rotated them:
+// into BF16 slots in 16-byte pieces, or quantized half a row per lane. Grid: (blocks, layer *
+// 2 + K/V), one block of 4 warpgroups per SM. Each warpgroup (4 warps, 64 rows: one warpgroup
+// MMA's M) takes every (blocks · 4)-th unit of 64 rows behind a barrier of its own, so the
+// SM's warpgroups go through their loads, MMAs and quantization independently and keep its
+// tensor cores, ALUs and memory busy at different times. The block stages its plane's R once
+// for the 4 warpgroups, which leaves room for two row buffers per warpgroup: a warpgroup copies
+// its next rows while it rotates and stores the current ones. 16 warps per SM (the copies and
+// the quantizer are latency-bound) cap it at 128 registers, which the half-row quantizer fits
+// (a row per thread took 177, or 88 bytes of spills at 128: 406 / 323 us against 279 with half
+// rows, H100). Against two blocks of 2 warpgroups with one buffer each (R staged twice per SM;
+// the kernel of df612d9), measured on an H100: bulk write 149 -> 144 us rotated, 98.7 -> 97.4
+// unrotated, fitted clip ratios 166 -> 155 / 114 -> 108 (docs/benchmarks.md).
+// kStaged: some plane of the launch rotates (R staged in front of the buffers); a plane that
+// does not rotate skips the staging and the MMAs either way. kSelection: the widest sorted clip
+// selection compiled in (quantize_row_bf16x2; the launcher picks it from
+// LayeredKvPools::max_clip_distance).
+inline constexpr int kTensorCoreGroups = 4;  // warpgroups per block
+template <int kHeadDim, bool kStaged>
+inline constexpr int kTensorCoreSmemBytes =
+    (kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0) + kTensorCoreGroups * 2 * kWarpgroupRows * kHeadDim * 2;
 
-// append_tensor_core_kernel for planes that nothing rotates (an engine that applies R_K in its
-// RoPE kernel and folds R_V into W_V, or an unrotated cache): without R_hi / R_lo in shared
-// memory there is room for two tile buffers, so each warpgroup copies its next half tile while
-// it stores the current one, where the one-buffer loop copies, waits and then stores (its
-// loop without the quantizer read at ~1.9 TB/s on an H100, copy 3.0). Same bytes stored.
-// **Not yet run on a GPU** (written 2026-12-07 with the session's device time spent): the
-// launcher takes it only with -DOSCAR_APPEND_PIPELINED_UNROTATED=1 until test_write_gpu has
-// passed on it and bench_write_gpu's unrotated bulk append has measured it.
-template <int kHeadDim, int kGroup, int kSelection>
-__global__ void __launch_bounds__(kTileWarps * 32, kTileMinBlocks) append_unrotated_pipelined_kernel(const AppendParams p) {
+template <int kHeadDim, int kGroup, int kSelection, bool kStaged>
+__global__ void __launch_bounds__(kTensorCoreGroups * 128, 1) append_tensor_core_kernel(const AppendParams p) {
+  constexpr int kBufferElements = kWarpgroupRows * kHeadDim;
+  constexpr int kRotationBytes = kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0;
   extern __shared__ __align__(16) unsigned char s_raw[];
-  bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw);  // [2][kTileRows * kHeadDim]
+  StagedRotation<kHeadDim>& staged = *reinterpret_cast<StagedRotation<kHeadDim>*>(s_raw);
   if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
   const int layer = blockIdx.y / 2;
   const bool is_value = blockIdx.y % 2;
+  const float* rotation = kStaged ? plane_rotation<kHeadDim>(p, layer, is_value) : nullptr;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / 4, group_warp = warp % 4, group_thread = threadIdx.x % 128;
   const uint32_t heads = p.pools.k_int2.num_kv_heads;
   const uint32_t total = uint32_t(p.num_tokens) * heads;
   const WritePlane plane = write_plane(p.pools, layer, is_value);
   const bf16_t* input = plane_input(p, layer, is_value);
-  const int group = warp / 4, group_thread = threadIdx.x % 128;
-  const auto group_sync = [group] {
-    if (group == 0) {
-      ptx::named_barrier_sync<1, 128>();
-    } else {
-      ptx::named_barrier_sync<2, 128>();
+  bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw + kRotationBytes) + group * 2 * kBufferElements;
+  static_assert(kTensorCoreGroups == 4);
+  const auto group_sync = [group] {  // the warpgroup's own barrier (immediate ids: see named_barrier_sync)
+    switch (group) {
+      case 0: ptx::named_barrier_sync<1, 128>(); break;
+      case 1: ptx::named_barrier_sync<2, 128>(); break;
+      case 2: ptx::named_barrier_sync<3, 128>(); break;
+      default: ptx::named_barrier_sync<4, 128>(); break;
     }
   };
-  const uint32_t stride = gridDim.x * kTileRows;
-  uint32_t first = blockIdx.x * kTileRows;
-  if (first < total) copy_half_tile<kHeadDim>(p, input, heads, total, first, group, group_thread, buffers);
+  const uint32_t stride = gridDim.x * kTensorCoreGroups * kWarpgroupRows;
+  uint32_t first = (blockIdx.x * kTensorCoreGroups + group) * kWarpgroupRows;
+  // The first rows' copies go out before R is staged, so the two overlap.
+  if (first < total) copy_warpgroup_rows<kHeadDim>(p, input, heads, total, first, group_thread, buffers);
   ptx::cp_async_commit();
+  if (rotation) stage_rotation<kHeadDim>(rotation, staged);  // the whole block; ends synchronized
   for (int buffer = 0; first < total; first += stride, buffer ^= 1) {
-    // The other buffer held the previous tile: every warp of the group has stored it.
+    // The other buffer held the previous rows: every warp of the group has stored them.
     group_sync();
     const uint32_t next = first + stride;
     if (next < total) {
-      copy_half_tile<kHeadDim>(p, input, heads, total, next, group, group_thread,
-                               buffers + (buffer ^ 1) * kTileRows * kHeadDim);
+      copy_warpgroup_rows<kHeadDim>(p, input, heads, total, next, group_thread, buffers + (buffer ^ 1) * kBufferElements);
     }
-    ptx::cp_async_commit();  // (an empty group past the last tile)
-    const uint32_t lane_row = first + warp * 16 + lane % 16;
+    ptx::cp_async_commit();  // (an empty group past the last rows)
+    // Lanes i and i + 16 look up the slot of the warp's row i while the next rows' copies are
+    // in flight, so the 16 lookups share their round trip instead of one dependent load per
+    // row below; both lanes of a row use it when they quantize its halves.
+    const uint32_t lane_row = first + group_warp * 16 + lane % 16;
     TokenSlot lane_slot{};
     if (lane_row < total) lane_slot = p.slots[lane_row / heads];
-    ptx::cp_async_wait<1>();  // this tile's copies (all but the newest group)
+    ptx::cp_async_wait<1>();  // these rows' copies (all but the newest group)
     group_sync();
-    store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, buffers + buffer * kTileRows * kHeadDim, first,
-                                                  heads, total, warp, lane, lane_row, lane_slot);
+    bf16_t* rows = buffers + buffer * kBufferElements;
+    if (rotation) rotate_warp_rows<kHeadDim>(staged, rows, group_warp, lane);
+    store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, rows, first, heads, total, group_warp, lane, lane_row,
+                                                  lane_slot);
   }
 }
 
@@ -967,32 +932,25 @@ inline bool wide_clip_selection(const LayeredKvPools& pools) {
   return pools.max_clip_distance < 0 || pools.max_clip_distance > kRowBf16x2NarrowSelection;
 }
 
-// Measurement knob: =1 sends appends that rotate no plane to append_unrotated_pipelined_kernel
-// (not yet run on a GPU; see there).
-#if defined(OSCAR_APPEND_PIPELINED_UNROTATED)
-inline constexpr bool kAppendPipelinedUnrotated = OSCAR_APPEND_PIPELINED_UNROTATED;
-#else
-inline constexpr bool kAppendPipelinedUnrotated = false;
-#endif
-
-// Launches a tile kernel (append_tensor_core_kernel, append_unrotated_pipelined_kernel) with
-// kSmem bytes of shared memory over enough blocks to fill the GPU once; each block loops over
-// tiles. The opt-in and the occupancy query run once per kernel.
+// Launches append_tensor_core_kernel (one of its two shared-memory layouts, kSmem bytes) over
+// enough blocks to fill the GPU once; each block loops over its rows. The opt-in and the
+// occupancy query run once per instantiation.
 template <auto kKernel, int kSmem>
 Status launch_tile_kernel(const AppendParams& params, int64_t rows, cudaStream_t stream) {
+  constexpr int kThreads = kTensorCoreGroups * 128, kBlockRows = kTensorCoreGroups * kWarpgroupRows;
   static const cudaError_t attribute =  // opt in to > 48 KB
       cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
   static const int per_sm = [] {
     int blocks = 1;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kTileWarps * 32, kSmem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kThreads, kSmem);
     return blocks > 0 ? blocks : 1;
   }();
   const int planes = params.pools.num_layers * 2;
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t steps = (rows + kBlockRows - 1) / kBlockRows;
   const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
-  const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(tiles, 1, cap)), static_cast<unsigned>(planes));
-  kKernel<<<grid, kTileWarps * 32, kSmem, stream>>>(params);
+  const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(steps, 1, cap)), static_cast<unsigned>(planes));
+  kKernel<<<grid, kThreads, kSmem, stream>>>(params);
   return cuda_status(cudaGetLastError(), "append_kv launch");
 }
 
@@ -1002,11 +960,12 @@ Status launch_append_tensor_cores(const AppendParams& params, int64_t rows, cuda
     return unsupported("append_kv: no tensor-core rotation for head_dim " + std::to_string(D));
   } else {
     const bool rotates = params.pools.k_rotation || (params.pools.v_rotation && !params.values_prerotated);
-    if (kAppendPipelinedUnrotated && !rotates) {
-      return launch_tile_kernel<append_unrotated_pipelined_kernel<D, G, S>, 2 * kTileRows * D * int(sizeof(bf16_t))>(
-          params, rows, stream);
+    if (rotates) {
+      return launch_tile_kernel<append_tensor_core_kernel<D, G, S, true>, kTensorCoreSmemBytes<D, true>>(params, rows,
+                                                                                                          stream);
     }
-    return launch_tile_kernel<append_tensor_core_kernel<D, G, S>, int(sizeof(RotationTile<D>))>(params, rows, stream);
+    return launch_tile_kernel<append_tensor_core_kernel<D, G, S, false>, kTensorCoreSmemBytes<D, false>>(params, rows,
+                                                                                                          stream);
   }
 }
 
