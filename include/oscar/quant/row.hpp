@@ -53,10 +53,19 @@ OSCAR_HOST_DEVICE void dequantize_row(const uint8_t* packed, const QuantMeta* me
   for (int start = 0, g = 0; start < head_dim; start += quant_group_size, ++g) {
     const float scale = fp16_to_float(meta[g].scale);
     const float offset = fp16_to_float(meta[g].offset);
-    float level[4];
-    for (uint32_t c = 0; c < 4; ++c) level[c] = dequantize_code(c, scale, offset);
     const uint8_t* bytes = packed + start / 4;
     float* o = out + start;
+#if defined(__FMA__) && !defined(__CUDA_ARCH__)
+    // Where the ISA has FMA, dequantize_code itself per element: each field's loop compiles to
+    // 8-wide zero-extend, shift, mask, convert and fma, faster than 4 scalar lookups per byte.
+    for (int field = 0; field < 4; ++field) {
+      for (int j = 0; j < quarter; ++j) {
+        o[field * quarter + j] = dequantize_code((uint32_t{bytes[j]} >> (2 * field)) & 3u, scale, offset);
+      }
+    }
+#else
+    float level[4];
+    for (uint32_t c = 0; c < 4; ++c) level[c] = dequantize_code(c, scale, offset);
     for (int j = 0; j < quarter; ++j) {
       const uint32_t byte = bytes[j];
       o[j] = level[byte & 3u];
@@ -64,6 +73,7 @@ OSCAR_HOST_DEVICE void dequantize_row(const uint8_t* packed, const QuantMeta* me
       o[2 * quarter + j] = level[(byte >> 4) & 3u];
       o[3 * quarter + j] = level[byte >> 6];
     }
+#endif
   }
 }
 
