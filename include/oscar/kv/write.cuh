@@ -618,20 +618,21 @@ OSCAR_DEVICE void store_warp_rows(const AppendParams& p, const WritePlane& plane
 // its next rows while it rotates and stores the current ones. 16 warps per SM (the copies and
 // the quantizer are latency-bound) cap it at 128 registers, which the half-row quantizer fits
 // (a row per thread took 177, or 88 bytes of spills at 128: 406 / 323 us against 279 with half
-// rows, H100). Against two blocks of 2 warpgroups with one buffer each (R staged twice per SM;
+// rows, H100). kGroups: warpgroups per block, 4 where the device's shared memory per block
+// allows (192 KB at d = 128 with R: Hopper), else 2 or 1 (the launcher picks; sm_80's 163 KB,
+// sm_86's 99 KB), always at 128 registers. Against two blocks of 2 warpgroups with one buffer each (R staged twice per SM;
 // the kernel of df612d9), measured on an H100: bulk write 149 -> 144 us rotated, 98.7 -> 97.4
 // unrotated, fitted clip ratios 166 -> 155 / 114 -> 108 (docs/benchmarks.md).
 // kStaged: some plane of the launch rotates (R staged in front of the buffers); a plane that
 // does not rotate skips the staging and the MMAs either way. kSelection: the widest sorted clip
 // selection compiled in (quantize_row_bf16x2; the launcher picks it from
 // LayeredKvPools::max_clip_distance).
-inline constexpr int kTensorCoreGroups = 4;  // warpgroups per block
-template <int kHeadDim, bool kStaged>
+template <int kHeadDim, bool kStaged, int kGroups>
 inline constexpr int kTensorCoreSmemBytes =
-    (kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0) + kTensorCoreGroups * 2 * kWarpgroupRows * kHeadDim * 2;
+    (kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0) + kGroups * 2 * kWarpgroupRows * kHeadDim * 2;
 
-template <int kHeadDim, int kGroup, int kSelection, bool kStaged>
-__global__ void __launch_bounds__(kTensorCoreGroups * 128, 1) append_tensor_core_kernel(const AppendParams p) {
+template <int kHeadDim, int kGroup, int kSelection, bool kStaged, int kGroups>
+__global__ void __launch_bounds__(kGroups * 128, 4 / kGroups) append_tensor_core_kernel(const AppendParams p) {
   constexpr int kBufferElements = kWarpgroupRows * kHeadDim;
   constexpr int kRotationBytes = kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0;
   extern __shared__ __align__(16) unsigned char s_raw[];
@@ -647,7 +648,7 @@ __global__ void __launch_bounds__(kTensorCoreGroups * 128, 1) append_tensor_core
   const WritePlane plane = write_plane(p.pools, layer, is_value);
   const bf16_t* input = plane_input(p, layer, is_value);
   bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw + kRotationBytes) + group * 2 * kBufferElements;
-  static_assert(kTensorCoreGroups == 4);
+  static_assert(kGroups == 1 || kGroups == 2 || kGroups == 4);
   const auto group_sync = [group] {  // the warpgroup's own barrier (immediate ids: see named_barrier_sync)
     switch (group) {
       case 0: ptx::named_barrier_sync<1, 128>(); break;
@@ -656,8 +657,8 @@ __global__ void __launch_bounds__(kTensorCoreGroups * 128, 1) append_tensor_core
       default: ptx::named_barrier_sync<4, 128>(); break;
     }
   };
-  const uint32_t stride = gridDim.x * kTensorCoreGroups * kWarpgroupRows;
-  uint32_t first = (blockIdx.x * kTensorCoreGroups + group) * kWarpgroupRows;
+  const uint32_t stride = gridDim.x * kGroups * kWarpgroupRows;
+  uint32_t first = (blockIdx.x * kGroups + group) * kWarpgroupRows;
   // The first rows' copies go out before R is staged, so the two overlap.
   if (first < total) copy_warpgroup_rows<kHeadDim>(p, input, heads, total, first, group_thread, buffers);
   ptx::cp_async_commit();
@@ -932,12 +933,14 @@ inline bool wide_clip_selection(const LayeredKvPools& pools) {
   return pools.max_clip_distance < 0 || pools.max_clip_distance > kRowBf16x2NarrowSelection;
 }
 
-// Launches append_tensor_core_kernel (one of its two shared-memory layouts, kSmem bytes) over
-// enough blocks to fill the GPU once; each block loops over its rows. The opt-in and the
-// occupancy query run once per instantiation.
-template <auto kKernel, int kSmem>
+// Launches append_tensor_core_kernel with kGroups warpgroups per block over enough blocks to
+// fill the GPU once; each block loops over its rows. The opt-in and the occupancy query run
+// once per instantiation.
+template <int D, int G, int S, bool kStaged, int kGroups>
 Status launch_tile_kernel(const AppendParams& params, int64_t rows, cudaStream_t stream) {
-  constexpr int kThreads = kTensorCoreGroups * 128, kBlockRows = kTensorCoreGroups * kWarpgroupRows;
+  constexpr auto kKernel = append_tensor_core_kernel<D, G, S, kStaged, kGroups>;
+  constexpr int kSmem = kTensorCoreSmemBytes<D, kStaged, kGroups>;
+  constexpr int kThreads = kGroups * 128, kBlockRows = kGroups * kWarpgroupRows;
   static const cudaError_t attribute =  // opt in to > 48 KB
       cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
@@ -947,11 +950,31 @@ Status launch_tile_kernel(const AppendParams& params, int64_t rows, cudaStream_t
     return blocks > 0 ? blocks : 1;
   }();
   const int planes = params.pools.num_layers * 2;
-  const int64_t steps = (rows + kBlockRows - 1) / kBlockRows;
+  const int64_t steps = (rows + kBlockRows - 1) / kBlockRows;  // of every warpgroup of a block
   const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
   const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(steps, 1, cap)), static_cast<unsigned>(planes));
   kKernel<<<grid, kThreads, kSmem, stream>>>(params);
   return cuda_status(cudaGetLastError(), "append_kv launch");
+}
+
+// The device's opt-in shared memory per block (bytes).
+inline int max_shared_memory_per_block() {
+  int device = 0, bytes = 48 * 1024;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return bytes;
+}
+
+// The most warpgroups per block whose shared memory the device has. (Test knob:
+// -DOSCAR_APPEND_TENSOR_CORE_GROUPS=1, 2 or 4 forces a count, so that a Hopper runs the others.)
+template <int D, int G, int S, bool kStaged>
+Status launch_tile_kernel_fitting(const AppendParams& params, int64_t rows, cudaStream_t stream) {
+#if defined(OSCAR_APPEND_TENSOR_CORE_GROUPS)
+  return launch_tile_kernel<D, G, S, kStaged, OSCAR_APPEND_TENSOR_CORE_GROUPS>(params, rows, stream);
+#endif
+  const int smem = max_shared_memory_per_block();
+  if (kTensorCoreSmemBytes<D, kStaged, 4> <= smem) return launch_tile_kernel<D, G, S, kStaged, 4>(params, rows, stream);
+  if (kTensorCoreSmemBytes<D, kStaged, 2> <= smem) return launch_tile_kernel<D, G, S, kStaged, 2>(params, rows, stream);
+  return launch_tile_kernel<D, G, S, kStaged, 1>(params, rows, stream);  // 96 KB at d = 128: every sm_80+
 }
 
 template <int D, int G, int S>
@@ -960,12 +983,8 @@ Status launch_append_tensor_cores(const AppendParams& params, int64_t rows, cuda
     return unsupported("append_kv: no tensor-core rotation for head_dim " + std::to_string(D));
   } else {
     const bool rotates = params.pools.k_rotation || (params.pools.v_rotation && !params.values_prerotated);
-    if (rotates) {
-      return launch_tile_kernel<append_tensor_core_kernel<D, G, S, true>, kTensorCoreSmemBytes<D, true>>(params, rows,
-                                                                                                          stream);
-    }
-    return launch_tile_kernel<append_tensor_core_kernel<D, G, S, false>, kTensorCoreSmemBytes<D, false>>(params, rows,
-                                                                                                          stream);
+    return rotates ? launch_tile_kernel_fitting<D, G, S, true>(params, rows, stream)
+                   : launch_tile_kernel_fitting<D, G, S, false>(params, rows, stream);
   }
 }
 
