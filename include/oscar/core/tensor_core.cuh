@@ -116,5 +116,13 @@ OSCAR_DEVICE void named_barrier_sync() {
   static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0);
   asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
+// Arrives at barrier kId without waiting: the producer's half of a handoff whose consumers
+// bar.sync on it with the same kThreads (the arrivals of both sides); the barrier orders the
+// arriving threads' earlier shared-memory writes before the waiting threads' later reads.
+template <int kId, int kThreads>
+OSCAR_DEVICE void named_barrier_arrive() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0);
+  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+}
 
 }  // namespace oscar::ptx

@@ -627,27 +627,44 @@ OSCAR_DEVICE void store_warp_rows(const AppendParams& p, const WritePlane& plane
 // does not rotate skips the staging and the MMAs either way. kSelection: the widest sorted clip
 // selection compiled in (quantize_row_bf16x2; the launcher picks it from
 // LayeredKvPools::max_clip_distance).
+// What a bulk-append block needs of its (layer, K/V) plane, blockIdx.y: its rows
+// (token-major, head-minor, `total` of them), where they go and R (null: not rotated).
+struct BulkAppendPlane {
+  int layer;
+  uint32_t heads, total;
+  WritePlane plane;
+  const bf16_t* input;
+  const float* rotation;
+};
+template <int kHeadDim>
+OSCAR_DEVICE BulkAppendPlane bulk_append_plane(const AppendParams& p, bool rotates) {
+  const int layer = blockIdx.y / 2;
+  const bool is_value = blockIdx.y % 2;
+  const uint32_t heads = p.pools.k_int2.num_kv_heads;
+  return {layer,
+          heads,
+          uint32_t(p.num_tokens) * heads,
+          write_plane(p.pools, layer, is_value),
+          plane_input(p, layer, is_value),
+          rotates ? plane_rotation<kHeadDim>(p, layer, is_value) : nullptr};
+}
+
+template <int kHeadDim, bool kStaged>
+inline constexpr int kStagedRotationBytes = kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0;
 template <int kHeadDim, bool kStaged, int kGroups>
 inline constexpr int kTensorCoreSmemBytes =
-    (kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0) + kGroups * 2 * kWarpgroupRows * kHeadDim * 2;
+    kStagedRotationBytes<kHeadDim, kStaged> + kGroups * 2 * kWarpgroupRows * kHeadDim * 2;
 
 template <int kHeadDim, int kGroup, int kSelection, bool kStaged, int kGroups>
 __global__ void __launch_bounds__(kGroups * 128, 4 / kGroups) append_tensor_core_kernel(const AppendParams p) {
   constexpr int kBufferElements = kWarpgroupRows * kHeadDim;
-  constexpr int kRotationBytes = kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0;
   extern __shared__ __align__(16) unsigned char s_raw[];
   StagedRotation<kHeadDim>& staged = *reinterpret_cast<StagedRotation<kHeadDim>*>(s_raw);
   if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
-  const int layer = blockIdx.y / 2;
-  const bool is_value = blockIdx.y % 2;
-  const float* rotation = kStaged ? plane_rotation<kHeadDim>(p, layer, is_value) : nullptr;
+  const auto [layer, heads, total, plane, input, rotation] = bulk_append_plane<kHeadDim>(p, kStaged);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp / 4, group_warp = warp % 4, group_thread = threadIdx.x % 128;
-  const uint32_t heads = p.pools.k_int2.num_kv_heads;
-  const uint32_t total = uint32_t(p.num_tokens) * heads;
-  const WritePlane plane = write_plane(p.pools, layer, is_value);
-  const bf16_t* input = plane_input(p, layer, is_value);
-  bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw + kRotationBytes) + group * 2 * kBufferElements;
+  bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw + kStagedRotationBytes<kHeadDim, kStaged>) + group * 2 * kBufferElements;
   static_assert(kGroups == 1 || kGroups == 2 || kGroups == 4);
   const auto group_sync = [group] {  // the warpgroup's own barrier (immediate ids: see named_barrier_sync)
     switch (group) {
@@ -683,6 +700,106 @@ __global__ void __launch_bounds__(kGroups * 128, 4 / kGroups) append_tensor_core
     if (rotation) rotate_warp_rows<kHeadDim>(staged, rows, group_warp, lane);
     store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, rows, first, heads, total, group_warp, lane, lane_row,
                                                   lane_slot);
+  }
+}
+
+// The rotated bulk append with its roles split (Hopper: warpgroup MMAs, and its 160 KB of
+// shared memory at d = 128). In append_tensor_core_kernel a warpgroup's four warps issue nothing while its
+// rotation's MMAs run, and the quantizer, latency-bound, runs slower on the SM's other warps
+// meanwhile (docs/benchmarks.md: the MMAs are on the critical path). Here one producer
+// warpgroup per block copies every unit of 64 rows into a row buffer, rotates it in place on
+// tensor cores and hands it to one of kRotatingConsumers quantizing warpgroups, which only look
+// up slots, quantize and store: the MMAs run beside the quantizers instead of in their place.
+// Each consumer owns two buffers (units k, k + 3, ... alternate them), so the producer fills one
+// while the consumer quantizes the other. Handoffs are named barriers of 256 threads, the
+// producer's warpgroup and one consumer's: kFullBarrier + slot (the producer arrives, the
+// consumer waits) says a buffer holds its rotated rows, kEmptyBarrier + slot (both wait) that
+// its consumer is done with it. Both sides skip the empty handoff of a buffer's last use, so
+// no barrier is left half arrived. A plane that does
+// not rotate (values_prerotated) has the producer copy only. 4 warpgroups at 128 registers
+// fill the SM's register file: one block per SM.
+inline constexpr int kRotatingConsumers = 3;
+inline constexpr int kRotatingSlots = 2 * kRotatingConsumers;
+inline constexpr int kRotatingCopiesAhead = 3;  // units with copies in flight, the one rotated next included
+inline constexpr int kRotatingThreads = (kRotatingConsumers + 1) * 128;
+template <int kHeadDim>
+inline constexpr int kRotatingSmemBytes =
+    int(sizeof(StagedRotation<kHeadDim>)) + kRotatingSlots * kWarpgroupRows * kHeadDim * 2;
+
+// Barrier ids 1-6: buffer `slot` holds rotated rows; 7-12: its consumer is done with it;
+// 13: the producer warpgroup's own. (Immediate ids: see named_barrier_sync.)
+inline constexpr int kFullBarrier = 1, kEmptyBarrier = 7, kProducerBarrier = 13;
+template <int kBase, bool kArrive>
+OSCAR_DEVICE void handoff(int slot) {
+  static_assert(kRotatingSlots == 6, "one case per slot");
+  const auto at = [&]<int kId>() {
+    if constexpr (kArrive) {
+      ptx::named_barrier_arrive<kId, 256>();
+    } else {
+      ptx::named_barrier_sync<kId, 256>();
+    }
+  };
+  switch (slot) {
+    case 0: at.template operator()<kBase>(); break;
+    case 1: at.template operator()<kBase + 1>(); break;
+    case 2: at.template operator()<kBase + 2>(); break;
+    case 3: at.template operator()<kBase + 3>(); break;
+    case 4: at.template operator()<kBase + 4>(); break;
+    default: at.template operator()<kBase + 5>(); break;
+  }
+}
+
+template <int kHeadDim, int kGroup, int kSelection>
+__global__ void __launch_bounds__(kRotatingThreads, 1) append_rotating_producer_kernel(const AppendParams p) {
+  constexpr int kBufferElements = kWarpgroupRows * kHeadDim;
+  constexpr int kProducer = kRotatingConsumers;  // the last warpgroup (warps 12-15: a warpgroup MMA's)
+  extern __shared__ __align__(16) unsigned char s_raw[];
+  StagedRotation<kHeadDim>& staged = *reinterpret_cast<StagedRotation<kHeadDim>*>(s_raw);
+  bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw + sizeof(StagedRotation<kHeadDim>));
+  if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
+  const auto [layer, heads, total, plane, input, rotation] = bulk_append_plane<kHeadDim>(p, true);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / 4, group_warp = warp % 4, group_thread = threadIdx.x % 128;
+  // The block's units: rows [first(k), first(k) + 64) for k < units, strided over the grid.
+  const uint32_t stride = gridDim.x * kWarpgroupRows, first0 = blockIdx.x * kWarpgroupRows;
+  const int units = first0 < total ? int((total - first0 - 1) / stride + 1) : 0;
+  const auto first = [&](int k) { return first0 + uint32_t(k) * stride; };
+  const auto rows = [&](int k) { return buffers + (k % kRotatingSlots) * kBufferElements; };
+  if (group == kProducer) {  // the first units' copies go out before R is staged
+    for (int k = 0; k < kRotatingCopiesAhead; ++k) {
+      if (k < units) copy_warpgroup_rows<kHeadDim>(p, input, heads, total, first(k), group_thread, rows(k));
+      ptx::cp_async_commit();
+    }
+  }
+  if (rotation) stage_rotation<kHeadDim>(rotation, staged);  // the whole block; ends synchronized
+  if (group == kProducer) {
+    for (int k = 0; k < units; ++k) {
+      ptx::cp_async_wait<kRotatingCopiesAhead - 1>();  // unit k's copies (this thread's)
+      ptx::named_barrier_sync<kProducerBarrier, 128>();  // ... and every producer thread's
+      if (rotation) rotate_warp_rows<kHeadDim>(staged, rows(k), group_warp, lane);
+      handoff<kFullBarrier, true>(k % kRotatingSlots);
+      const int next = k + kRotatingCopiesAhead;
+      if (next < units) {
+        // The buffer's previous unit (next - 6) has been stored by its consumer.
+        if (next >= kRotatingSlots) handoff<kEmptyBarrier, false>(next % kRotatingSlots);
+        copy_warpgroup_rows<kHeadDim>(p, input, heads, total, first(next), group_thread, rows(next));
+      }
+      ptx::cp_async_commit();  // (an empty group past the last unit)
+    }
+  } else {
+    for (int k = group; k < units; k += kRotatingConsumers) {
+      // Lanes i and i + 16 look up the slot of the warp's row i before the rows are ready.
+      const uint32_t lane_row = first(k) + group_warp * 16 + lane % 16;
+      TokenSlot lane_slot{};
+      if (lane_row < total) lane_slot = p.slots[lane_row / heads];
+      handoff<kFullBarrier, false>(k % kRotatingSlots);
+      store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, rows(k), first(k), heads, total, group_warp, lane,
+                                                    lane_row, lane_slot);
+      // (A bar.sync, not an arrive: the producer reaches it right after it hands over this
+      // consumer's next unit, which the consumer waits for anyway; and compute-sanitizer's
+      // racecheck orders the consumer's reads before the producer's next writes only so.)
+      if (k + kRotatingSlots < units) handoff<kEmptyBarrier, false>(k % kRotatingSlots);
+    }
   }
 }
 
@@ -798,11 +915,16 @@ __global__ void __launch_bounds__(kRowWarps * 32, kRowMinBlocks) demote_rows_ker
 
 // Blocks along x for `rows` rows per (layer, K/V) plane: enough resident warps to hide
 // latency across the whole grid; the rest loop.
-inline int multiprocessors() {
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms;
+// (An attribute of the current device, or `fallback` where it cannot be read: the launchers
+// size grids and pick block shapes by it, and a failed query must not fail the launch.)
+inline int current_device_attribute(cudaDeviceAttr attribute, int fallback) {
+  int device = 0, value = fallback;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess) {
+    return fallback;
+  }
+  return value;
 }
+inline int multiprocessors() { return current_device_attribute(cudaDevAttrMultiProcessorCount, 132); }
 
 inline dim3 grid_for(int64_t warp_items, int planes, int warps_per_block = kWarpsPerBlock) {
   const int sms = multiprocessors();
@@ -936,11 +1058,9 @@ inline bool wide_clip_selection(const LayeredKvPools& pools) {
 // Launches append_tensor_core_kernel with kGroups warpgroups per block over enough blocks to
 // fill the GPU once; each block loops over its rows. The opt-in and the occupancy query run
 // once per instantiation.
-template <int D, int G, int S, bool kStaged, int kGroups>
-Status launch_tile_kernel(const AppendParams& params, int64_t rows, cudaStream_t stream) {
-  constexpr auto kKernel = append_tensor_core_kernel<D, G, S, kStaged, kGroups>;
-  constexpr int kSmem = kTensorCoreSmemBytes<D, kStaged, kGroups>;
-  constexpr int kThreads = kGroups * 128, kBlockRows = kGroups * kWarpgroupRows;
+// kBlockRows: the rows a block takes per round (the grid is no larger than the rounds need).
+template <auto kKernel, int kSmem, int kThreads, int kBlockRows>
+Status launch_bulk_kernel(const AppendParams& params, int64_t rows, cudaStream_t stream) {
   static const cudaError_t attribute =  // opt in to > 48 KB
       cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
@@ -950,19 +1070,26 @@ Status launch_tile_kernel(const AppendParams& params, int64_t rows, cudaStream_t
     return blocks > 0 ? blocks : 1;
   }();
   const int planes = params.pools.num_layers * 2;
-  const int64_t steps = (rows + kBlockRows - 1) / kBlockRows;  // of every warpgroup of a block
+  const int64_t steps = (rows + kBlockRows - 1) / kBlockRows;  // rounds of the whole block
   const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
   const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(steps, 1, cap)), static_cast<unsigned>(planes));
   kKernel<<<grid, kThreads, kSmem, stream>>>(params);
   return cuda_status(cudaGetLastError(), "append_kv launch");
 }
-
-// The device's opt-in shared memory per block (bytes).
-inline int max_shared_memory_per_block() {
-  int device = 0, bytes = 48 * 1024;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return bytes;
+template <int D, int G, int S, bool kStaged, int kGroups>
+Status launch_tile_kernel(const AppendParams& params, int64_t rows, cudaStream_t stream) {
+  return launch_bulk_kernel<append_tensor_core_kernel<D, G, S, kStaged, kGroups>, kTensorCoreSmemBytes<D, kStaged, kGroups>,
+                            kGroups * 128, kGroups * kWarpgroupRows>(params, rows, stream);
 }
+
+// Rotated bulk appends take append_rotating_producer_kernel where its shared memory fits.
+// -DOSCAR_APPEND_ROTATING_PRODUCER=0 keeps them on append_tensor_core_kernel (a measurement
+// and test knob).
+#if defined(OSCAR_APPEND_ROTATING_PRODUCER)
+inline constexpr bool kRotatingProducer = OSCAR_APPEND_ROTATING_PRODUCER;
+#else
+inline constexpr bool kRotatingProducer = true;
+#endif
 
 // The most warpgroups per block whose shared memory the device has. (Test knob:
 // -DOSCAR_APPEND_TENSOR_CORE_GROUPS=1, 2 or 4 forces a count, so that a Hopper runs the others.)
@@ -970,11 +1097,20 @@ template <int D, int G, int S, bool kStaged>
 Status launch_tile_kernel_fitting(const AppendParams& params, int64_t rows, cudaStream_t stream) {
 #if defined(OSCAR_APPEND_TENSOR_CORE_GROUPS)
   return launch_tile_kernel<D, G, S, kStaged, OSCAR_APPEND_TENSOR_CORE_GROUPS>(params, rows, stream);
-#endif
-  const int smem = max_shared_memory_per_block();
+#else
+  const int smem = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
+  if constexpr (kStaged && kRotatingProducer) {
+    // Hopper only: elsewhere the producer's rotation is mma.sync, whose warps each read all of
+    // R per 16 rows (~4 K cycles of shared memory per unit at d = 128: the producer would bound it).
+    if (kRotatingSmemBytes<D> <= smem && current_device_attribute(cudaDevAttrComputeCapabilityMajor, 0) >= 9) {
+      return launch_bulk_kernel<append_rotating_producer_kernel<D, G, S>, kRotatingSmemBytes<D>, kRotatingThreads,
+                                kRotatingConsumers * kWarpgroupRows>(params, rows, stream);
+    }
+  }
   if (kTensorCoreSmemBytes<D, kStaged, 4> <= smem) return launch_tile_kernel<D, G, S, kStaged, 4>(params, rows, stream);
   if (kTensorCoreSmemBytes<D, kStaged, 2> <= smem) return launch_tile_kernel<D, G, S, kStaged, 2>(params, rows, stream);
   return launch_tile_kernel<D, G, S, kStaged, 1>(params, rows, stream);  // 96 KB at d = 128: every sm_80+
+#endif
 }
 
 template <int D, int G, int S>
