@@ -607,26 +607,6 @@ OSCAR_DEVICE void store_warp_rows(const AppendParams& p, const WritePlane& plane
   }
 }
 
-// The bulk form of append_kernel: rows (token-major, head-minor) are loaded with cp.async,
-// rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that rotated them:
-// into BF16 slots in 16-byte pieces, or quantized half a row per lane. Grid: (blocks, layer *
-// 2 + K/V), one block of 4 warpgroups per SM. Each warpgroup (4 warps, 64 rows: one warpgroup
-// MMA's M) takes every (blocks · 4)-th unit of 64 rows behind a barrier of its own, so the
-// SM's warpgroups go through their loads, MMAs and quantization independently and keep its
-// tensor cores, ALUs and memory busy at different times. The block stages its plane's R once
-// for the 4 warpgroups, which leaves room for two row buffers per warpgroup: a warpgroup copies
-// its next rows while it rotates and stores the current ones. 16 warps per SM (the copies and
-// the quantizer are latency-bound) cap it at 128 registers, which the half-row quantizer fits
-// (a row per thread took 177, or 88 bytes of spills at 128: 406 / 323 us against 279 with half
-// rows, H100). kGroups: warpgroups per block, 4 where the device's shared memory per block
-// allows (192 KB at d = 128 with R: Hopper), else 2 or 1 (the launcher picks; sm_80's 163 KB,
-// sm_86's 99 KB), always at 128 registers. Against two blocks of 2 warpgroups with one buffer each (R staged twice per SM;
-// the kernel of df612d9), measured on an H100: bulk write 149 -> 144 us rotated, 98.7 -> 97.4
-// unrotated, fitted clip ratios 166 -> 155 / 114 -> 108 (docs/benchmarks.md).
-// kStaged: some plane of the launch rotates (R staged in front of the buffers); a plane that
-// does not rotate skips the staging and the MMAs either way. kSelection: the widest sorted clip
-// selection compiled in (quantize_row_bf16x2; the launcher picks it from
-// LayeredKvPools::max_clip_distance).
 // What a bulk-append block needs of its (layer, K/V) plane, blockIdx.y: its rows
 // (token-major, head-minor, `total` of them), where they go and R (null: not rotated).
 struct BulkAppendPlane {
@@ -649,6 +629,27 @@ OSCAR_DEVICE BulkAppendPlane bulk_append_plane(const AppendParams& p, bool rotat
           rotates ? plane_rotation<kHeadDim>(p, layer, is_value) : nullptr};
 }
 
+// The bulk form of append_kernel: rows (token-major, head-minor) are loaded with cp.async,
+// rotated on tensor cores (tile_rotation.cuh) and then stored by the warp that rotated them:
+// into BF16 slots in 16-byte pieces, or quantized half a row per lane. Grid: (blocks, layer *
+// 2 + K/V), one block of 4 warpgroups per SM. Each warpgroup (4 warps, 64 rows: one warpgroup
+// MMA's M) takes every (blocks · 4)-th unit of 64 rows behind a barrier of its own, so the
+// SM's warpgroups go through their loads, MMAs and quantization independently and keep its
+// tensor cores, ALUs and memory busy at different times. The block stages its plane's R once
+// for the 4 warpgroups, which leaves room for two row buffers per warpgroup: a warpgroup copies
+// its next rows while it rotates and stores the current ones. 16 warps per SM (the copies and
+// the quantizer are latency-bound) cap it at 128 registers, which the half-row quantizer fits
+// (a row per thread took 177, or 88 bytes of spills at 128: 406 / 323 us against 279 with half
+// rows, H100). kGroups: warpgroups per block, 4 where the device's shared memory per block
+// allows (192 KB at d = 128 with R: Hopper), else 2 or 1 (the launcher picks; sm_80's 163 KB,
+// sm_86's 99 KB), always at 128 registers. Against two blocks of 2 warpgroups with one buffer each (R staged twice per SM;
+// the kernel of df612d9), measured on an H100: bulk write 149 -> 144 us rotated, 98.7 -> 97.4
+// unrotated, fitted clip ratios 166 -> 155 / 114 -> 108 (docs/benchmarks.md).
+// kStaged: some plane of the launch rotates (R staged in front of the buffers); a plane that
+// does not rotate skips the staging and the MMAs either way. kSelection: the widest sorted clip
+// selection compiled in (quantize_row_bf16x2; the launcher picks it from
+// LayeredKvPools::max_clip_distance). It runs unrotated bulk appends everywhere, and rotated
+// ones where append_rotating_producer_kernel (below) does not fit or is switched off.
 template <int kHeadDim, bool kStaged>
 inline constexpr int kStagedRotationBytes = kStaged ? int(sizeof(StagedRotation<kHeadDim>)) : 0;
 template <int kHeadDim, bool kStaged, int kGroups>
@@ -704,20 +705,21 @@ __global__ void __launch_bounds__(kGroups * 128, 4 / kGroups) append_tensor_core
 }
 
 // The rotated bulk append with its roles split (Hopper: warpgroup MMAs, and its 160 KB of
-// shared memory at d = 128). In append_tensor_core_kernel a warpgroup's four warps issue nothing while its
-// rotation's MMAs run, and the quantizer, latency-bound, runs slower on the SM's other warps
-// meanwhile (docs/benchmarks.md: the MMAs are on the critical path). Here one producer
-// warpgroup per block copies every unit of 64 rows into a row buffer, rotates it in place on
-// tensor cores and hands it to one of kRotatingConsumers quantizing warpgroups, which only look
-// up slots, quantize and store: the MMAs run beside the quantizers instead of in their place.
-// Each consumer owns two buffers (units k, k + 3, ... alternate them), so the producer fills one
-// while the consumer quantizes the other. Handoffs are named barriers of 256 threads, the
-// producer's warpgroup and one consumer's: kFullBarrier + slot (the producer arrives, the
-// consumer waits) says a buffer holds its rotated rows, kEmptyBarrier + slot (both wait) that
-// its consumer is done with it. Both sides skip the empty handoff of a buffer's last use, so
-// no barrier is left half arrived. A plane that does
-// not rotate (values_prerotated) has the producer copy only. 4 warpgroups at 128 registers
-// fill the SM's register file: one block per SM.
+// shared memory at d = 128). In append_tensor_core_kernel a warpgroup's four warps issue
+// nothing while its rotation's MMAs run, and the quantizer, latency-bound, runs no faster on
+// the SM's other warps meanwhile. Here one producer warpgroup per block copies every unit of 64
+// rows into a row buffer, rotates it in place on tensor cores and hands it to one of
+// kRotatingConsumers quantizing warpgroups, which only look up slots, quantize and store: the
+// MMAs run beside the quantizers instead of in their place. Each consumer owns two buffers
+// (units k, k + 3, ... alternate them), so the producer fills one while the consumer quantizes
+// the other. Handoffs are named barriers of 256 threads, the producer's warpgroup and one
+// consumer's: kFullBarrier + slot (the producer arrives, the consumer waits) says a buffer
+// holds its rotated rows, kEmptyBarrier + slot (both wait) that its consumer is done with it.
+// Both sides skip the empty handoff of a buffer's last use, so no barrier is left half
+// arrived. A plane that does not rotate (values_prerotated) has the producer copy only. 4
+// warpgroups at 128 registers fill the SM's register file: one block per SM. Measured on an
+// H100 (docs/benchmarks.md): 32K tokens x 8 heads 145 -> 132 us, at fitted clip ratios 155 ->
+// 140; three quantizing warpgroups now bound it (the unrotated write's four take 98 us).
 inline constexpr int kRotatingConsumers = 3;
 inline constexpr int kRotatingSlots = 2 * kRotatingConsumers;
 inline constexpr int kRotatingCopiesAhead = 3;  // units with copies in flight, the one rotated next included
@@ -795,9 +797,11 @@ __global__ void __launch_bounds__(kRotatingThreads, 1) append_rotating_producer_
       handoff<kFullBarrier, false>(k % kRotatingSlots);
       store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, rows(k), first(k), heads, total, group_warp, lane,
                                                     lane_row, lane_slot);
-      // (A bar.sync, not an arrive: the producer reaches it right after it hands over this
-      // consumer's next unit, which the consumer waits for anyway; and compute-sanitizer's
-      // racecheck orders the consumer's reads before the producer's next writes only so.)
+      // (A bar.sync where an arrive would do: it costs nothing, since the producer reaches it
+      // right after it hands over this consumer's next unit, which the consumer waits for
+      // anyway. compute-sanitizer's racecheck does not honour bar.arrive's ordering, and
+      // reports the full handoff's arrive/sync, the PTX ISA's own producer/consumer example,
+      // as hazards: docs/testing.md.)
       if (k + kRotatingSlots < units) handoff<kEmptyBarrier, false>(k % kRotatingSlots);
     }
   }
