@@ -724,9 +724,10 @@ inline constexpr int kRotatingConsumers = 3;
 inline constexpr int kRotatingSlots = 2 * kRotatingConsumers;
 inline constexpr int kRotatingCopiesAhead = 3;  // units with copies in flight, the one rotated next included
 inline constexpr int kRotatingThreads = (kRotatingConsumers + 1) * 128;
+// (R and two buffers per consumer: the layout of append_tensor_core_kernel's block with one
+// warpgroup per consumer.)
 template <int kHeadDim>
-inline constexpr int kRotatingSmemBytes =
-    int(sizeof(StagedRotation<kHeadDim>)) + kRotatingSlots * kWarpgroupRows * kHeadDim * 2;
+inline constexpr int kRotatingSmemBytes = kTensorCoreSmemBytes<kHeadDim, true, kRotatingConsumers>;
 
 // Barrier ids 1-6: buffer `slot` holds rotated rows; 7-12: its consumer is done with it;
 // 13: the producer warpgroup's own. (Immediate ids: see named_barrier_sync.)
@@ -757,7 +758,7 @@ __global__ void __launch_bounds__(kRotatingThreads, 1) append_rotating_producer_
   constexpr int kProducer = kRotatingConsumers;  // the last warpgroup (warps 12-15: a warpgroup MMA's)
   extern __shared__ __align__(16) unsigned char s_raw[];
   StagedRotation<kHeadDim>& staged = *reinterpret_cast<StagedRotation<kHeadDim>*>(s_raw);
-  bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw + sizeof(StagedRotation<kHeadDim>));
+  bf16_t* buffers = reinterpret_cast<bf16_t*>(s_raw + kStagedRotationBytes<kHeadDim, true>);
   if (!entries_valid(p.slots, p.num_tokens, p.pools, p.error_flag, slot_ok)) return;
   const auto [layer, heads, total, plane, input, rotation] = bulk_append_plane<kHeadDim>(p, true);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1059,10 +1060,10 @@ inline bool wide_clip_selection(const LayeredKvPools& pools) {
   return pools.max_clip_distance < 0 || pools.max_clip_distance > kRowBf16x2NarrowSelection;
 }
 
-// Launches append_tensor_core_kernel with kGroups warpgroups per block over enough blocks to
-// fill the GPU once; each block loops over its rows. The opt-in and the occupancy query run
-// once per instantiation.
-// kBlockRows: the rows a block takes per round (the grid is no larger than the rounds need).
+// Launches a bulk-append kernel (kThreads per block, kSmem of dynamic shared memory) over
+// enough blocks to fill the GPU once; each block loops over its rows. kBlockRows: the rows a
+// block takes per round (the grid is no larger than the rounds need). The opt-in and the
+// occupancy query run once per instantiation.
 template <auto kKernel, int kSmem, int kThreads, int kBlockRows>
 Status launch_bulk_kernel(const AppendParams& params, int64_t rows, cudaStream_t stream) {
   static const cudaError_t attribute =  // opt in to > 48 KB
