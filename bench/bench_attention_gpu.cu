@@ -320,17 +320,20 @@ void BM_Attention(benchmark::State& state, int batch, int64_t length, int hq, in
 
 // A continuous-batching step with chunked prefill: one request appends a chunk of `chunk` tokens
 // to a 32K prefix while `decodes` others decode one token each over `decode_length` tokens,
-// hq/hkv/d heads, page 16. split_mixed: the decodes on the column kernel after the row-tiled
-// kernel (AttentionPlan::column_part) however few bytes they read (the threshold at 0, so that
-// every shape measures both forms and mixed_split_min_bytes can be set from them), or the
-// whole batch on the row-tiled kernel.
+// hq/hkv/d heads, page 16. kMixedSplit: the decodes on the column kernel after the row-tiled
+// kernel (AttentionPlan::column_part) however few bytes they read (the threshold at 0);
+// kMixedWhole: the whole batch on the row-tiled kernel; kMixedDefault: as the default options
+// plan it (counter `split`: which form that was).
+enum MixedForm { kMixedSplit, kMixedWhole, kMixedDefault };
 void BM_MixedBatch(benchmark::State& state, int hq, int hkv, int d, int decodes, int64_t decode_length, int chunk,
-                   bool split_mixed) {
+                   MixedForm form) {
   std::vector<int64_t> length_of(size_t(decodes) + 1, decode_length);
   std::vector<int32_t> queries_of(size_t(decodes) + 1, 1);
   length_of[0] = 32768 + chunk;
   queries_of[0] = chunk;
-  Problem problem(length_of, queries_of, hq, hkv, d, 16, true, 64, 256, kPairedByPlan, split_mixed, 0);
+  Problem problem(length_of, queries_of, hq, hkv, d, 16, true, 64, 256, kPairedByPlan, form != kMixedWhole,
+                  form == kMixedDefault ? AttentionPlanOptions{}.mixed_split_min_bytes : 0);
+  state.counters["split"] = problem.plan.column_part ? 1 : 0;
   oscar::bench::time_kernel(state, problem.bytes, [&] { problem.run(); });
   report(state, problem);
 }
@@ -417,10 +420,10 @@ int main(int argc, char** argv) {
     int chunk;
   };
   // Past the first three of each head shape: few decode bytes, where the split's second launch
-  // may cost more than the row-tiled kernel spends on them
-  // (AttentionPlanOptions::mixed_split_min_bytes, 16 MiB: at d = 128 one decode of 8K reads
-  // 5.8 MB over the 8 KV heads, 2 11.7, 3 17.5, 4 23.4; at d = 64 with 3 KV heads ~1.2 MB, so
-  // the threshold falls between 8 and 24 of them).
+  // may cost more than the row-tiled kernel spends on them (the default rule,
+  // AttentionPlanOptions::mixed_split_min_bytes < 0, decides by the row-tiled plan's chunks
+  // and waves; at d = 128 one decode of 8K reads 5.8 MB over the 8 KV heads, 2 11.7, 3 17.5,
+  // 4 23.4; at d = 64 with 3 KV heads ~1.2 MB).
   for (const Mixed& m : {Mixed{32, 8, 128, 31, 8192, 512}, Mixed{32, 8, 128, 63, 8192, 64},
                          Mixed{32, 8, 128, 15, 32768, 512}, Mixed{32, 8, 128, 1, 2048, 512},
                          Mixed{32, 8, 128, 1, 8192, 512}, Mixed{32, 8, 128, 2, 8192, 512},
@@ -430,9 +433,10 @@ int main(int argc, char** argv) {
     const std::string shape = "/hq" + std::to_string(m.hq) + "_hkv" + std::to_string(m.hkv) + "_d" +
                               std::to_string(m.d) + "/chunk" + std::to_string(m.chunk) + "_L32768+B" +
                               std::to_string(m.decodes) + "_L" + std::to_string(m.decode_length);
-    for (const bool split : {true, false}) {
-      benchmark::RegisterBenchmark(((split ? "mixed" : "mixed_whole") + shape).c_str(), BM_MixedBatch, m.hq, m.hkv,
-                                   m.d, m.decodes, m.decode_length, m.chunk, split)
+    for (const MixedForm form : {kMixedSplit, kMixedWhole, kMixedDefault}) {
+      const char* name = form == kMixedSplit ? "mixed" : form == kMixedWhole ? "mixed_whole" : "mixed_default";
+      benchmark::RegisterBenchmark((name + shape).c_str(), BM_MixedBatch, m.hq, m.hkv, m.d, m.decodes, m.decode_length,
+                                   m.chunk, form)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }

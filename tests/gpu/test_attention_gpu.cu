@@ -324,6 +324,10 @@ TEST_CASE("extend: causal queries over the quantized prefix, any chunking of the
     for (size_t b = 0; b < ids.size(); ++b) append_in_chunks(cache, ids[b], n_new[b], {n_new[b]}, keys, values);
     check(run_and_compare(cache, ids, n_new, qgen));
     check(run_and_compare(cache, ids, n_new, qgen, {.kernel_rotates = false}));  // q rotated by the engine
+    // The whole batch on row tiles, whatever the default's split rule picks for this batch.
+    AttentionPlanOptions whole;
+    whole.split_mixed_batches = false;
+    check(run_and_compare(cache, ids, n_new, qgen, {.plan = whole}));
     AttentionPlanOptions many;
     many.min_chunk_bytes = 1;
     many.target_blocks_per_sm = 64;

@@ -92,19 +92,22 @@ struct AttentionPlanOptions {
   // Mixed batches (continuous batching with chunked prefill: a few requests above
   // row_tiled_min_rows, the others decoding or verifying a few tokens): the short requests run
   // on the column kernel as AttentionPlan::column_part, a second launch, where the row-tiled
-  // kernel would give each of them a 64-row tile with g of its rows used. Split only where the
-  // short requests read at least mixed_split_min_bytes of K and V (over every KV head): below
-  // that a second kernel's launch and wave cost more than the row-tiled kernel spends on them.
-  // Measured (H100, a 512- or 64-token chunk over 32K beside decodes, bench_attention_gpu's
-  // mixed/ against mixed_whole/): 31 decodes of 8K 1699 -> 1036 us, 63 of 8K with a 64-token
-  // chunk 805 -> 349, 15 of 32K 1411 -> 1089, 4 of 8K (23 MB) 1069 -> 975, each within 1 % of
-  // the two parts run alone; but 1 decode of 8K (5.9 MB) 924 -> 968 and of 2K 922 -> 966, where
-  // the row-tiled kernel absorbs the lone decode among the chunk's blocks and the split adds
-  // the column kernel's launch and its ~20 us after them. The 16 MiB threshold lies between
-  // the losing 5.9 MB and the winning 23 MB (two decodes of 8K, ~12 MB, break even by the
-  // measured per-request costs: ~48 us each on the row-tiled kernel, ~2-3 us split).
+  // kernel would give each of them a 64-row tile with g of its rows used.
+  // mixed_split_min_bytes < 0 (the default) splits unless the whole batch on the row-tiled
+  // kernel costs the long requests nothing: the whole plan cuts every long request into as
+  // many chunks as the long requests' plan alone, and its blocks take as many waves of the
+  // row-tiled kernel's resident blocks. The short requests' tiles then fill slots of the long
+  // part's last wave, where the split would add the column kernel's launch and its ~20 us
+  // after it; otherwise they stretch the long part by whole waves, or by the extra chunks
+  // and merges of the long requests that their bytes cause. Measured (H100, a 512- or
+  // 64-token chunk over 32K beside decodes, bench_attention_gpu's mixed/ against
+  // mixed_whole/, docs/benchmarks.md): the rule picks the faster form in all 13 shapes,
+  // where no byte threshold serves both head dims (d = 128: two decodes of 8K, 12 MB, already
+  // pay for the split, 973 against 1014 us; d = 64: 16 decodes, 19 MB, still ride free, 260
+  // against 287). mixed_split_min_bytes >= 0: split where the short requests read at least
+  // that many bytes of K and V over every KV head (0: always).
   bool split_mixed_batches = true;
-  int64_t mixed_split_min_bytes = int64_t{16} << 20;
+  int64_t mixed_split_min_bytes = -1;
 };
 
 inline constexpr int32_t kDefaultTargetBlocksPerSm = 2;
@@ -364,6 +367,25 @@ inline Status plan_items(AttentionPlan& plan, std::span<const SegmentCounts> seg
   return Status::Ok();
 }
 
+// The split rule of a mixed batch (AttentionPlanOptions::mixed_split_min_bytes < 0): whether
+// `whole` (every request on row tiles) cuts some long request into other chunks than
+// `long_part` (the long requests alone) does, or takes more waves of the row-tiled kernel's
+// resident blocks.
+inline bool whole_batch_slows_long_part(const AttentionPlan& whole, const AttentionPlan& long_part, size_t batch,
+                                        const AttentionPlanOptions& options) {
+  std::vector<int32_t> long_chunks(batch, 0);
+  for (const AttentionWorkItem& item : long_part.items) long_chunks[item.request] = item.num_chunks;
+  for (const AttentionWorkItem& item : whole.items) {
+    if (long_chunks[item.request] != 0 && long_chunks[item.request] != item.num_chunks) return true;
+  }
+  const int32_t target = plan_target_blocks_per_sm(whole, options);
+  const int64_t resident = int64_t{options.num_sms} * (target > 0 ? target : kDefaultTargetBlocksPerSm);
+  const auto waves = [&](const AttentionPlan& p) {
+    return (int64_t(p.items.size()) * p.shape.num_kv_heads + resident - 1) / resident;
+  };
+  return waves(whole) > waves(long_part);
+}
+
 }  // namespace attention_plan_detail
 
 // Plans attention for a batch whose request b has segments[b] cached tokens (sink, INT2,
@@ -430,12 +452,18 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
       (is_long ? long_rows : short_rows)[b] = request_rows[b];
       if (!is_long && request_rows[b] > 0) short_bytes += request_bytes[b] * shape.num_kv_heads;
     }
-    if (short_bytes > 0 && short_bytes >= options.mixed_split_min_bytes) {
+    if (short_bytes > 0 && (options.mixed_split_min_bytes < 0 || short_bytes >= options.mixed_split_min_bytes)) {
       AttentionPlan part = plan;  // the batch's shape, size and query count; no items yet
       OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(part, segments, short_rows, request_bytes, options));
-      OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(plan, segments, long_rows, request_bytes, options));
-      plan.column_part = std::make_shared<const AttentionPlan>(std::move(part));
-      return plan;
+      AttentionPlan long_part = plan;
+      OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(long_part, segments, long_rows, request_bytes, options));
+      if (options.mixed_split_min_bytes < 0) {
+        AttentionPlan whole = plan;
+        OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(whole, segments, request_rows, request_bytes, options));
+        if (!attention_plan_detail::whole_batch_slows_long_part(whole, long_part, segments.size(), options)) return whole;
+      }
+      long_part.column_part = std::make_shared<const AttentionPlan>(std::move(part));
+      return long_part;
     }
   }
   OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(plan, segments, request_rows, request_bytes, options));
