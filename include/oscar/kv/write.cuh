@@ -704,72 +704,30 @@ __global__ void __launch_bounds__(kGroups * 128, 4 / kGroups) append_tensor_core
   }
 }
 
-// The rotated bulk append with its roles split (Hopper: warpgroup MMAs, and its 176 KB of
+// The rotated bulk append with its roles split (Hopper: warpgroup MMAs, and its 160 KB of
 // shared memory at d = 128). In append_tensor_core_kernel a warpgroup's four warps issue
 // nothing while its rotation's MMAs run, and the quantizer, latency-bound, runs no faster on
 // the SM's other warps meanwhile. Here one producer warpgroup per block copies every unit of 64
 // rows into a row buffer, rotates it in place on tensor cores and hands it to one of
 // kRotatingConsumers quantizing warpgroups, which only look up slots, quantize and store: the
 // MMAs run beside the quantizers instead of in their place. Each consumer owns two buffers
-// (its units alternate them), so the producer fills one while the consumer quantizes the
-// other. Handoffs are named barriers of 256 threads, the producer's warpgroup and one
+// (units k, k + 3, ... alternate them), so the producer fills one while the consumer quantizes
+// the other. Handoffs are named barriers of 256 threads, the producer's warpgroup and one
 // consumer's: kFullBarrier + slot (the producer arrives, the consumer waits) says a buffer
 // holds its rotated rows, kEmptyBarrier + slot (both wait) that its consumer is done with it.
 // Both sides skip the empty handoff of a buffer's last use, so no barrier is left half
 // arrived. A plane that does not rotate (values_prerotated) has the producer copy only. 4
-// warpgroups at 128 registers fill the SM's register file: one block per SM.
-// With three consumers the producer was idle ~2/3 of the time and the consumers bound the
-// launch (H100: 145 -> 132 us for 32K tokens x 8 heads, where the unrotated write's four
-// quantizing warpgroups take 98), so the producer also quantizes one unit of every
-// kRotatingCycle, in its own buffer, with no handoff (docs/benchmarks.md).
+// warpgroups at 128 registers fill the SM's register file: one block per SM. Measured on an
+// H100 (docs/benchmarks.md): 32K tokens x 8 heads 145 -> 132 us, at fitted clip ratios 155 ->
+// 140; three quantizing warpgroups now bound it (the unrotated write's four take 98 us).
 inline constexpr int kRotatingConsumers = 3;
-inline constexpr int kRotatingSlots = 2 * kRotatingConsumers;  // the consumers' buffers; the producer's is the next
+inline constexpr int kRotatingSlots = 2 * kRotatingConsumers;
 inline constexpr int kRotatingCopiesAhead = 3;  // units with copies in flight, the one rotated next included
 inline constexpr int kRotatingThreads = (kRotatingConsumers + 1) * 128;
-// Units per cycle: kRotatingConsumers · m for the consumers (round robin), then one for the
-// producer; 0: the producer quantizes none. (Measurement knob: -DOSCAR_APPEND_PRODUCER_CYCLE=N,
-// N = 0 or 3m + 1.)
-#if defined(OSCAR_APPEND_PRODUCER_CYCLE)
-inline constexpr int kRotatingCycle = OSCAR_APPEND_PRODUCER_CYCLE;
-#else
-inline constexpr int kRotatingCycle = 7;
-#endif
-static_assert(kRotatingCycle == 0 || (kRotatingCycle > 1 && (kRotatingCycle - 1) % kRotatingConsumers == 0),
-              "a cycle is a whole round of the consumers and the producer's unit");
-inline constexpr int kProducerBuffers = kRotatingCycle > 0 ? 1 : 0;
 // (R and two buffers per consumer: the layout of append_tensor_core_kernel's block with one
-// warpgroup per consumer; then the producer's buffer.)
+// warpgroup per consumer.)
 template <int kHeadDim>
-inline constexpr int kRotatingSmemBytes =
-    kTensorCoreSmemBytes<kHeadDim, true, kRotatingConsumers> + kProducerBuffers * kWarpgroupRows * kHeadDim * 2;
-
-// Who quantizes unit k of a block: the producer, or consumer `consumer` as its n-th unit, in
-// buffer `slot`.
-struct RotatingUnit {
-  bool producer;
-  int consumer, n, slot;
-};
-OSCAR_DEVICE RotatingUnit rotating_unit(int k) {
-  if constexpr (kRotatingCycle == 0) {
-    const int consumer = k % kRotatingConsumers, n = k / kRotatingConsumers;
-    return {false, consumer, n, consumer + kRotatingConsumers * (n % 2)};
-  } else {
-    constexpr int kShare = (kRotatingCycle - 1) / kRotatingConsumers;  // each consumer's units per cycle
-    const int cycle = k / kRotatingCycle, position = k % kRotatingCycle;
-    if (position == kRotatingCycle - 1) return {true, 0, cycle, kRotatingSlots};
-    const int consumer = position % kRotatingConsumers, n = cycle * kShare + position / kRotatingConsumers;
-    return {false, consumer, n, consumer + kRotatingConsumers * (n % 2)};
-  }
-}
-// The block's unit that is consumer `consumer`'s n-th (the inverse of rotating_unit).
-OSCAR_DEVICE int consumer_unit(int consumer, int n) {
-  if constexpr (kRotatingCycle == 0) {
-    return consumer + kRotatingConsumers * n;
-  } else {
-    constexpr int kShare = (kRotatingCycle - 1) / kRotatingConsumers;
-    return (n / kShare) * kRotatingCycle + consumer + kRotatingConsumers * (n % kShare);
-  }
-}
+inline constexpr int kRotatingSmemBytes = kTensorCoreSmemBytes<kHeadDim, true, kRotatingConsumers>;
 
 // Barrier ids 1-6: buffer `slot` holds rotated rows; 7-12: its consumer is done with it;
 // 13: the producer warpgroup's own. (Immediate ids: see named_barrier_sync.)
@@ -809,58 +767,43 @@ __global__ void __launch_bounds__(kRotatingThreads, 1) append_rotating_producer_
   const uint32_t stride = gridDim.x * kWarpgroupRows, first0 = blockIdx.x * kWarpgroupRows;
   const int units = first0 < total ? int((total - first0 - 1) / stride + 1) : 0;
   const auto first = [&](int k) { return first0 + uint32_t(k) * stride; };
-  const auto rows = [&](const RotatingUnit& u) { return buffers + u.slot * kBufferElements; };
-  // Lanes i and i + 16 look up the slot of their warp's row i of unit k (before the rows are
-  // ready: the lookups' round trip overlaps the wait).
-  const auto lane_row = [&](int k) { return first(k) + group_warp * 16 + lane % 16; };
-  const auto lookup = [&](uint32_t row) { return row < total ? p.slots[row / heads] : TokenSlot{}; };
+  const auto rows = [&](int k) { return buffers + (k % kRotatingSlots) * kBufferElements; };
   if (group == kProducer) {  // the first units' copies go out before R is staged
     for (int k = 0; k < kRotatingCopiesAhead; ++k) {
-      if (k < units) copy_warpgroup_rows<kHeadDim>(p, input, heads, total, first(k), group_thread, rows(rotating_unit(k)));
+      if (k < units) copy_warpgroup_rows<kHeadDim>(p, input, heads, total, first(k), group_thread, rows(k));
       ptx::cp_async_commit();
     }
   }
   if (rotation) stage_rotation<kHeadDim>(rotation, staged);  // the whole block; ends synchronized
   if (group == kProducer) {
     for (int k = 0; k < units; ++k) {
-      const RotatingUnit unit = rotating_unit(k);
-      TokenSlot lane_slot{};
-      if (unit.producer) lane_slot = lookup(lane_row(k));
       ptx::cp_async_wait<kRotatingCopiesAhead - 1>();  // unit k's copies (this thread's)
-      // ... and every producer thread's; also, the producer's previous unit is stored.
-      ptx::named_barrier_sync<kProducerBarrier, 128>();
-      // (Each warp rotates, and below stores, its own 16 rows: rotate_warp_rows.)
-      if (rotation) rotate_warp_rows<kHeadDim>(staged, rows(unit), group_warp, lane);
-      if (!unit.producer) handoff<kFullBarrier, true>(unit.slot);
+      ptx::named_barrier_sync<kProducerBarrier, 128>();  // ... and every producer thread's
+      if (rotation) rotate_warp_rows<kHeadDim>(staged, rows(k), group_warp, lane);
+      handoff<kFullBarrier, true>(k % kRotatingSlots);
       const int next = k + kRotatingCopiesAhead;
       if (next < units) {
-        // The buffer's previous unit (the consumer's n - 2) has been stored by its consumer;
-        // the producer's own was stored before this iteration's barrier.
-        const RotatingUnit next_unit = rotating_unit(next);
-        if (!next_unit.producer && next_unit.n >= 2) handoff<kEmptyBarrier, false>(next_unit.slot);
-        copy_warpgroup_rows<kHeadDim>(p, input, heads, total, first(next), group_thread, rows(next_unit));
+        // The buffer's previous unit (next - 6) has been stored by its consumer.
+        if (next >= kRotatingSlots) handoff<kEmptyBarrier, false>(next % kRotatingSlots);
+        copy_warpgroup_rows<kHeadDim>(p, input, heads, total, first(next), group_thread, rows(next));
       }
       ptx::cp_async_commit();  // (an empty group past the last unit)
-      if (unit.producer) {
-        store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, rows(unit), first(k), heads, total, group_warp,
-                                                      lane, lane_row(k), lane_slot);
-      }
     }
   } else {
-    for (int n = 0;; ++n) {
-      const int k = consumer_unit(group, n);
-      if (k >= units) break;
-      const RotatingUnit unit{false, group, n, group + kRotatingConsumers * (n % 2)};
-      const TokenSlot lane_slot = lookup(lane_row(k));
-      handoff<kFullBarrier, false>(unit.slot);
-      store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, rows(unit), first(k), heads, total, group_warp,
-                                                    lane, lane_row(k), lane_slot);
+    for (int k = group; k < units; k += kRotatingConsumers) {
+      // Lanes i and i + 16 look up the slot of the warp's row i before the rows are ready.
+      const uint32_t lane_row = first(k) + group_warp * 16 + lane % 16;
+      TokenSlot lane_slot{};
+      if (lane_row < total) lane_slot = p.slots[lane_row / heads];
+      handoff<kFullBarrier, false>(k % kRotatingSlots);
+      store_warp_rows<kHeadDim, kGroup, kSelection>(p, plane, layer, rows(k), first(k), heads, total, group_warp, lane,
+                                                    lane_row, lane_slot);
       // (A bar.sync where an arrive would do: it costs nothing, since the producer reaches it
       // right after it hands over this consumer's next unit, which the consumer waits for
       // anyway. compute-sanitizer's racecheck does not honour bar.arrive's ordering, and
       // reports the full handoff's arrive/sync, the PTX ISA's own producer/consumer example,
       // as hazards: docs/testing.md.)
-      if (consumer_unit(group, n + 2) < units) handoff<kEmptyBarrier, false>(unit.slot);
+      if (k + kRotatingSlots < units) handoff<kEmptyBarrier, false>(k % kRotatingSlots);
     }
   }
 }
