@@ -186,6 +186,11 @@ inline int32_t plan_target_blocks_per_sm(const AttentionPlan& plan, const Attent
                                : options.target_blocks_per_sm;
 }
 
+namespace attention_plan_detail {
+// A target of blocks per SM as the planner uses it (0: kDefaultTargetBlocksPerSm).
+inline int64_t blocks_per_sm_or_default(int32_t target) { return target > 0 ? target : kDefaultTargetBlocksPerSm; }
+}  // namespace attention_plan_detail
+
 OSCAR_HOST_DEVICE constexpr int64_t attention_tiles(int64_t tokens) {
   return (tokens + kAttentionTileTokens - 1) / kAttentionTileTokens;
 }
@@ -289,7 +294,7 @@ inline Status plan_items(AttentionPlan& plan, std::span<const SegmentCounts> seg
   // 2026-12-05: d = 128, B = 16, 32K at 0.97 waves 164 us, at 1.29 waves 219;
   // wave_aligned_chunk_counts, docs/benchmarks.md).
   auto chunk_counts = [&](std::span<const int64_t> tiles, int32_t target) {
-    const int64_t blocks_per_sm = target > 0 ? target : kDefaultTargetBlocksPerSm;
+    const int64_t blocks_per_sm = blocks_per_sm_or_default(target);
     const int64_t target_items = std::max<int64_t>(1, options.num_sms * blocks_per_sm / shape.num_kv_heads);
     int64_t total_bytes = 0;  // per KV head, over every column tile
     for (size_t b = 0; b < segments.size(); ++b) total_bytes += request_bytes[b] * tiles[b];
@@ -371,15 +376,14 @@ inline Status plan_items(AttentionPlan& plan, std::span<const SegmentCounts> seg
 // `whole` (every request on row tiles) cuts some long request into other chunks than
 // `long_part` (the long requests alone) does, or takes more waves of the row-tiled kernel's
 // resident blocks.
-inline bool whole_batch_slows_long_part(const AttentionPlan& whole, const AttentionPlan& long_part, size_t batch,
+inline bool whole_batch_slows_long_part(const AttentionPlan& whole, const AttentionPlan& long_part,
                                         const AttentionPlanOptions& options) {
-  std::vector<int32_t> long_chunks(batch, 0);
+  std::vector<int32_t> long_chunks(size_t(long_part.batch_size), 0);  // 0: not a long request
   for (const AttentionWorkItem& item : long_part.items) long_chunks[item.request] = item.num_chunks;
   for (const AttentionWorkItem& item : whole.items) {
     if (long_chunks[item.request] != 0 && long_chunks[item.request] != item.num_chunks) return true;
   }
-  const int32_t target = plan_target_blocks_per_sm(whole, options);
-  const int64_t resident = int64_t{options.num_sms} * (target > 0 ? target : kDefaultTargetBlocksPerSm);
+  const int64_t resident = options.num_sms * blocks_per_sm_or_default(plan_target_blocks_per_sm(whole, options));
   const auto waves = [&](const AttentionPlan& p) {
     return (int64_t(p.items.size()) * p.shape.num_kv_heads + resident - 1) / resident;
   };
@@ -453,15 +457,15 @@ inline Result<AttentionPlan> make_attention_plan(const AttentionShape& shape, st
       if (!is_long && request_rows[b] > 0) short_bytes += request_bytes[b] * shape.num_kv_heads;
     }
     if (short_bytes > 0 && (options.mixed_split_min_bytes < 0 || short_bytes >= options.mixed_split_min_bytes)) {
-      AttentionPlan part = plan;  // the batch's shape, size and query count; no items yet
-      OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(part, segments, short_rows, request_bytes, options));
-      AttentionPlan long_part = plan;
+      AttentionPlan long_part = plan;  // the batch's shape, size and query count; no items yet
       OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(long_part, segments, long_rows, request_bytes, options));
       if (options.mixed_split_min_bytes < 0) {
         AttentionPlan whole = plan;
         OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(whole, segments, request_rows, request_bytes, options));
-        if (!attention_plan_detail::whole_batch_slows_long_part(whole, long_part, segments.size(), options)) return whole;
+        if (!attention_plan_detail::whole_batch_slows_long_part(whole, long_part, options)) return whole;
       }
+      AttentionPlan part = plan;
+      OSCAR_RETURN_IF_ERROR(attention_plan_detail::plan_items(part, segments, short_rows, request_bytes, options));
       long_part.column_part = std::make_shared<const AttentionPlan>(std::move(part));
       return long_part;
     }
