@@ -411,3 +411,44 @@ TEST_CASE("append is CUDA-graph capturable and replays to the same bytes") {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
+
+// The launchers opt their kernels in to more than 48 KB of shared memory (append_kernel's R at
+// d = 128, the bulk tensor-core kernels' tiles). That attribute belongs to the device's
+// context: cudaDeviceReset drops it, as a second device never had it, so a launcher that opted
+// in once per process fails its next launch with "invalid argument". Every write kernel runs
+// before and after a reset here (the last case of the file: nothing else is allocated then).
+TEST_CASE("append and demote still launch after cudaDeviceReset") {
+  const auto run_all_kernels = [] {
+    {
+      // 734 and 341 tokens of 2 heads at d = 128: append_kernel (R staged in 64 KB), with
+      // window appends and demotions in between.
+      CacheConfig config = write_config(128, 128, 16, 8, 40, 2);
+      PagedCache cache = make_cache(config, true, 128 + 16);
+      DevicePools device(cache);
+      RowGenerator keys(21, 128), values(22, 128);
+      const std::vector<RequestId> ids{*cache.add_request(), *cache.add_request(), *cache.add_request()};
+      for (const std::vector<int32_t>& step : {std::vector<int32_t>{700, 33, 1}, {1, 1, 1}, {40, 1, 300}}) {
+        CHECK(step_both(cache, device, ids, step, keys, values, false) == 0);
+      }
+    }
+    // A bulk append on tensor cores (the rotating producer kernel on sm_90a).
+    const TensorCoreAppendShape s{1, 8, 128, 128, 16, 600, false};
+    TensorCoreAppendInputs in;
+    const size_t rows = size_t(s.layers) * s.tokens * s.heads;
+    in.k.resize(rows * s.head_dim);
+    in.v.resize(in.k.size());
+    RowGenerator(31, s.head_dim).fill_bf16(in.k.data(), rows);
+    RowGenerator(32, s.head_dim).fill_bf16(in.v.data(), rows);
+    in.k_rotation = random_orthogonal(s.head_dim, 300);
+    in.v_rotation = random_orthogonal(s.head_dim, 301);
+    in.k_rank.push_back(clip_rank(0.96f, s.head_dim));
+    in.v_rank.push_back(clip_rank(0.92f, s.head_dim));
+    const TensorCoreAppendReport r = run_tensor_core_append(s, in);
+    CHECK(r.outside_bound == 0);
+    CHECK(r.int2_mismatches == 0);
+    CHECK(r.mixed_mismatches == 0);
+  };
+  run_all_kernels();
+  CUDA_REQUIRE(cudaDeviceReset());
+  run_all_kernels();
+}

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "oscar/core/cuda_status.hpp"
+#include "oscar/core/kernel_attributes.cuh"
 #include "oscar/core/numeric.hpp"
 #include "oscar/core/status.hpp"
 #include "oscar/kv/tile_rotation.cuh"
@@ -1024,16 +1025,6 @@ inline bool use_column_kernel(int64_t rows, int planes, bool rotated) {
 #endif
 }
 
-template <int D, int G>
-int column_kernel_blocks_per_sm() {
-  static const int per_sm = [] {
-    int blocks = 1;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, append_columns_kernel<D, G>, D, 0);
-    return blocks > 0 ? blocks : 1;
-  }();
-  return per_sm;
-}
-
 // The exact path's kernel and grid for an append of `rows` rows: append_columns_kernel where
 // use_column_kernel says so, else append_kernel. Shared by append_kv and the benchmark's
 // timeline readout, so the two cannot disagree on which kernel ran.
@@ -1047,7 +1038,8 @@ ExactAppendLaunch exact_append_launch(const AppendParams& p, int64_t rows) {
   const int planes = p.pools.num_layers * 2;
   if constexpr (kColumnKernelFits<D>) {
     if (use_column_kernel(rows, planes, append_rotates(p))) {
-      return {true, dim3(column_blocks(rows, planes, column_kernel_blocks_per_sm<D, G>()), static_cast<unsigned>(planes))};
+      const int per_sm = resident_blocks_per_sm<append_columns_kernel<D, G>, D, 0>();
+      return {true, dim3(column_blocks(rows, planes, per_sm), static_cast<unsigned>(planes))};
     }
   }
   return {false, grid_for(rows, planes, kAppendWarps)};
@@ -1062,18 +1054,13 @@ inline bool wide_clip_selection(const LayeredKvPools& pools) {
 
 // Launches a bulk-append kernel (kThreads per block, kSmem of dynamic shared memory) over
 // enough blocks to fill the GPU once; each block loops over its rows. kBlockRows: the rows a
-// block takes per round (the grid is no larger than the rounds need). The opt-in and the
-// occupancy query run once per instantiation.
+// block takes per round (the grid is no larger than the rounds need). The opt-in to its
+// shared memory is made at every launch, the occupancy query once per device
+// (oscar/core/kernel_attributes.cuh says why).
 template <auto kKernel, int kSmem, int kThreads, int kBlockRows>
 Status launch_bulk_kernel(const AppendParams& params, int64_t rows, cudaStream_t stream) {
-  static const cudaError_t attribute =  // opt in to > 48 KB
-      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
-  static const int per_sm = [] {
-    int blocks = 1;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kThreads, kSmem);
-    return blocks > 0 ? blocks : 1;
-  }();
+  OSCAR_RETURN_IF_ERROR(cuda_status(opt_in_dynamic_shared_memory(kKernel, kSmem), "append_kv shared-memory opt-in"));
+  const int per_sm = resident_blocks_per_sm<kKernel, kThreads, kSmem>();
   const int planes = params.pools.num_layers * 2;
   const int64_t steps = (rows + kBlockRows - 1) / kBlockRows;  // rounds of the whole block
   const int64_t cap = std::max<int64_t>(1, int64_t{multiprocessors()} * per_sm / planes);
@@ -1173,10 +1160,11 @@ inline Status append_kv(const AppendParams& params, cudaStream_t stream = nullpt
       }
     }
     constexpr int smem = kAppendSmemBytes<D>;
-    static const cudaError_t attribute =  // once per instantiation: opt in to > 48 KB
-        cudaFuncSetAttribute(append_kernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    OSCAR_RETURN_IF_ERROR(cuda_status(attribute, "append_kv shared-memory opt-in"));
     const bool staged = params.pools.k_rotation || params.pools.v_rotation;
+    if (staged) {
+      OSCAR_RETURN_IF_ERROR(
+          cuda_status(opt_in_dynamic_shared_memory(append_kernel<D, G>, smem), "append_kv shared-memory opt-in"));
+    }
     append_kernel<D, G><<<launch.grid, kAppendThreads, staged ? smem : 0, stream>>>(params);
     return cuda_status(cudaGetLastError(), "append_kv launch");
   });
