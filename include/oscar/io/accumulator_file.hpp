@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <iterator>
 #include <map>
 #include <span>
 #include <string>
@@ -53,14 +55,110 @@ inline uint32_t accumulator_metadata_crc32(const std::map<std::string, std::stri
   }
   return crc;
 }
-inline uint32_t crc32_of_doubles(std::span<const double> values, uint32_t crc) {
-  return crc32(f64_le_bytes(values), crc);  // the bytes the file stores
+
+// A layer's tensors, in the order the file holds them and the checksum covers them. The
+// writer and the loader both walk this table, so the order is spelled once.
+enum class AccumulatorPart { kQtq, kKtk, kVtv, kWvtv, kWsum };
+inline constexpr AccumulatorPart kAccumulatorLayerParts[] = {AccumulatorPart::kQtq, AccumulatorPart::kKtk,
+                                                            AccumulatorPart::kVtv, AccumulatorPart::kWvtv,
+                                                            AccumulatorPart::kWsum};
+
+inline const char* part_name(AccumulatorPart part) {
+  switch (part) {
+    case AccumulatorPart::kQtq: return "qtq";
+    case AccumulatorPart::kKtk: return "ktk";
+    case AccumulatorPart::kVtv: return "vtv";
+    case AccumulatorPart::kWvtv: return "wvtv";
+    case AccumulatorPart::kWsum: return "wsum";
+  }
+  return "";
+}
+
+// One tensor of the file: its name and shape. The per-layer counts (tokens, value_tokens)
+// come after every layer's parts.
+struct AccumulatorTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+inline std::vector<int64_t> part_shape(AccumulatorPart part, int64_t kv_heads, int64_t head_dim) {
+  switch (part) {
+    case AccumulatorPart::kKtk:
+    case AccumulatorPart::kVtv: return {head_dim, head_dim};
+    case AccumulatorPart::kWsum: return {kv_heads};
+    default: return {kv_heads, head_dim, head_dim};
+  }
+}
+
+inline std::vector<AccumulatorTensor> accumulator_tensors(const fit::ModelShape& s) {
+  std::vector<AccumulatorTensor> tensors;
+  for (int32_t l = 0; l < s.num_layers; ++l) {
+    for (AccumulatorPart part : kAccumulatorLayerParts) {
+      tensors.push_back({layer_tensor_name(l, part_name(part)), part_shape(part, s.num_kv_heads, s.head_dim)});
+    }
+  }
+  tensors.push_back({"tokens", {s.num_layers}});
+  tensors.push_back({"value_tokens", {s.num_layers}});
+  return tensors;
+}
+
+// A part of one layer's sums as the file's row-major values (symmetric matrices stored whole).
+inline std::vector<double> part_values(const fit::LayerSums& sums, AccumulatorPart part) {
+  std::vector<double> out;
+  const auto append = [&](const Eigen::MatrixXd& lower) {
+    const Eigen::MatrixXd full = fit::detail::symmetrized(lower);
+    for (int64_t i = 0; i < full.rows(); ++i) {
+      for (int64_t j = 0; j < full.cols(); ++j) out.push_back(full(i, j));
+    }
+  };
+  switch (part) {
+    case AccumulatorPart::kQtq:
+      for (const Eigen::MatrixXd& m : sums.qtq) append(m);
+      break;
+    case AccumulatorPart::kKtk: append(sums.ktk); break;
+    case AccumulatorPart::kVtv: append(sums.vtv); break;
+    case AccumulatorPart::kWvtv:
+      for (const Eigen::MatrixXd& m : sums.wvtv) append(m);
+      break;
+    case AccumulatorPart::kWsum: out.assign(sums.wsum.data(), sums.wsum.data() + sums.wsum.size()); break;
+  }
+  return out;
+}
+
+// The inverse of part_values, into sums shaped by CalibrationAccumulator::create.
+inline void set_part(fit::LayerSums& sums, AccumulatorPart part, const std::vector<double>& values, int64_t d) {
+  const auto matrix = [&](int64_t index) {
+    Eigen::MatrixXd m(d, d);
+    for (int64_t i = 0; i < d; ++i) {
+      for (int64_t j = 0; j < d; ++j) m(i, j) = values[(index * d + i) * d + j];
+    }
+    return m;
+  };
+  switch (part) {
+    case AccumulatorPart::kQtq:
+      for (size_t h = 0; h < sums.qtq.size(); ++h) sums.qtq[h] = matrix(int64_t(h));
+      break;
+    case AccumulatorPart::kKtk: sums.ktk = matrix(0); break;
+    case AccumulatorPart::kVtv: sums.vtv = matrix(0); break;
+    case AccumulatorPart::kWvtv:
+      for (size_t h = 0; h < sums.wvtv.size(); ++h) sums.wvtv[h] = matrix(int64_t(h));
+      break;
+    case AccumulatorPart::kWsum:
+      for (int64_t h = 0; h < sums.wsum.size(); ++h) sums.wsum[h] = values[size_t(h)];
+      break;
+  }
+}
+
+// F64 little-endian bytes as doubles (the file's bytes, the host's order as read_as assumes).
+inline std::vector<double> doubles_of(const std::vector<uint8_t>& bytes) {
+  std::vector<double> out(bytes.size() / 8);
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * 8);
+  return out;
 }
 }  // namespace detail
 
 inline Result<std::vector<uint8_t>> serialize_accumulators(const fit::CalibrationAccumulator& acc) {
   const fit::ModelShape& s = acc.shape();
-  const int64_t d = s.head_dim, h = s.num_kv_heads;
   const std::map<std::string, std::string> meta = {
       {"format", kAccumulatorFormatTag},
       {"format_version", std::to_string(kAccumulatorFormatVersion)},
@@ -71,35 +169,24 @@ inline Result<std::vector<uint8_t>> serialize_accumulators(const fit::Calibratio
       {"value_weighting", fit::to_string(acc.value_weighting())}};
   uint32_t crc = detail::accumulator_metadata_crc32(meta);
   SafetensorsWriter w;
-  // Every tensor goes into the file and the checksum in the same order, its bytes encoded once.
-  const auto add = [&](const std::string& name, std::vector<int64_t> shape, const std::vector<double>& values) {
+  std::vector<double> tokens, value_tokens;
+  for (int32_t l = 0; l < s.num_layers; ++l) {
+    tokens.push_back(static_cast<double>(acc.sums(l).tokens));
+    value_tokens.push_back(static_cast<double>(acc.sums(l).value_tokens));
+  }
+  const std::vector<detail::AccumulatorTensor> tensors = detail::accumulator_tensors(s);
+  constexpr size_t kParts = std::size(detail::kAccumulatorLayerParts);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t layer = i / kParts;
+    const std::vector<double> values =
+        layer < size_t(s.num_layers) ? detail::part_values(acc.sums(int32_t(layer)), detail::kAccumulatorLayerParts[i % kParts])
+        : i + 2 == tensors.size()    ? tokens
+                                     : value_tokens;
+    // Into the file and the checksum in the same order, its bytes encoded once.
     std::vector<uint8_t> bytes = f64_le_bytes(values);
     crc = crc32(bytes, crc);
-    return w.add(name, DType::kF64, std::move(shape), std::move(bytes));
-  };
-  std::vector<double> tokens, value_tokens;
-  auto stack = [&](const std::vector<Eigen::MatrixXd>& ms) {
-    std::vector<double> out;
-    for (const Eigen::MatrixXd& m : ms) {
-      const Eigen::MatrixXd full = fit::detail::symmetrized(m);
-      for (int64_t i = 0; i < d; ++i) {
-        for (int64_t j = 0; j < d; ++j) out.push_back(full(i, j));
-      }
-    }
-    return out;
-  };
-  for (int32_t l = 0; l < s.num_layers; ++l) {
-    const fit::LayerSums& sums = acc.sums(l);
-    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "qtq"), {h, d, d}, stack(sums.qtq)));
-    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "ktk"), {d, d}, stack({sums.ktk})));
-    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "vtv"), {d, d}, stack({sums.vtv})));
-    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "wvtv"), {h, d, d}, stack(sums.wvtv)));
-    OSCAR_RETURN_IF_ERROR(add(layer_tensor_name(l, "wsum"), {h}, std::vector<double>(sums.wsum.data(), sums.wsum.data() + h)));
-    tokens.push_back(static_cast<double>(sums.tokens));
-    value_tokens.push_back(static_cast<double>(sums.value_tokens));
+    OSCAR_RETURN_IF_ERROR(w.add(tensors[i].name, DType::kF64, tensors[i].shape, std::move(bytes)));
   }
-  OSCAR_RETURN_IF_ERROR(add("tokens", {s.num_layers}, tokens));
-  OSCAR_RETURN_IF_ERROR(add("value_tokens", {s.num_layers}, value_tokens));
   for (const auto& [key, value] : meta) w.set_metadata(key, value);
   w.set_metadata(kAccumulatorChecksumKey, detail::crc32_hex(crc));
   return w.serialize();
@@ -150,84 +237,52 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
   // Every tensor's structure (present, F64, its shape) first, all of them read: nothing is
   // allocated for the metadata's sizes before the file's own tensors have shown them (a
   // corrupted num_layers or head_dim in a small file would otherwise ask for gigabytes).
-  auto read = [&](const std::string& name, std::vector<int64_t> shape_expected) -> Result<std::vector<double>> {
-    const TensorInfo* info = file.find(name);
-    if (!info) return data_loss(what + ": tensor \"" + name + "\" is missing");
-    if (info->dtype != DType::kF64) return data_loss(what + ": tensor \"" + name + "\" is not F64");
-    if (info->shape != shape_expected) {
-      return data_loss(what + ": tensor \"" + name + "\" has shape " + info->shape_string());
-    }
-    return file.read_as<double>(*info);
-  };
-  struct Stored {
-    std::string name;
-    std::vector<double> values;
-  };
-  std::vector<Stored> stored;  // in the writer's order: the checksum's
-  for (int32_t l = 0; l < shape.num_layers; ++l) {
-    for (const auto& [part, dims] : std::vector<std::pair<const char*, std::vector<int64_t>>>{
-             {"qtq", {kv, d, d}}, {"ktk", {d, d}}, {"vtv", {d, d}}, {"wvtv", {kv, d, d}}, {"wsum", {kv}}}) {
-      const std::string name = layer_tensor_name(l, part);
-      auto values = read(name, dims);
-      if (!values.ok()) return values.status();
-      stored.push_back({name, std::move(*values)});
-    }
-  }
-  for (const char* name : {"tokens", "value_tokens"}) {
-    auto values = read(name, {layers});
-    if (!values.ok()) return values.status();
-    stored.push_back({name, std::move(*values)});
+  // The checksum runs over the bytes as read, in the table's order.
+  const std::vector<detail::AccumulatorTensor> tensors = detail::accumulator_tensors(shape);
+  std::vector<std::vector<double>> stored;  // tensors[i]'s values
+  uint32_t crc = detail::accumulator_metadata_crc32(meta);
+  for (const detail::AccumulatorTensor& t : tensors) {
+    const TensorInfo* info = file.find(t.name);
+    if (!info) return data_loss(what + ": tensor \"" + t.name + "\" is missing");
+    if (info->dtype != DType::kF64) return data_loss(what + ": tensor \"" + t.name + "\" is not F64");
+    if (info->shape != t.shape) return data_loss(what + ": tensor \"" + t.name + "\" has shape " + info->shape_string());
+    auto bytes = file.read_bytes(*info);
+    if (!bytes.ok()) return bytes.status();
+    crc = crc32(*bytes, crc);
+    stored.push_back(detail::doubles_of(*bytes));
   }
   // Tensors the format does not have (the checksum would not cover them).
-  if (file.tensors().size() != stored.size()) {
-    for (const TensorInfo& t : file.tensors()) {
-      if (std::none_of(stored.begin(), stored.end(), [&](const Stored& s) { return s.name == t.name; })) {
-        return data_loss(what + ": unexpected tensor \"" + t.name + "\"");
+  if (file.tensors().size() != tensors.size()) {
+    for (const TensorInfo& info : file.tensors()) {
+      if (std::none_of(tensors.begin(), tensors.end(),
+                       [&](const detail::AccumulatorTensor& t) { return t.name == info.name; })) {
+        return data_loss(what + ": unexpected tensor \"" + info.name + "\"");
       }
     }
   }
   // Then the checksum, before any value check, so that a corrupted file is named as one.
   if (const auto crc_it = meta.find(kAccumulatorChecksumKey); crc_it != meta.end()) {
-    uint32_t crc = detail::accumulator_metadata_crc32(meta);
-    for (const Stored& t : stored) crc = detail::crc32_of_doubles(t.values, crc);
     const std::string computed = detail::crc32_hex(crc);
     if (crc_it->second != computed) {
       return data_loss(what + ": content checksum mismatch (" + kAccumulatorChecksumKey + " " + crc_it->second +
                        ", computed " + computed + "): the file is corrupted");
     }
   }
-  for (const Stored& t : stored) {
-    for (double x : t.values) {
-      if (!std::isfinite(x)) return data_loss(what + ": tensor \"" + t.name + "\" has a non-finite entry");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    for (double x : stored[i]) {
+      if (!std::isfinite(x)) return data_loss(what + ": tensor \"" + tensors[i].name + "\" has a non-finite entry");
     }
   }
   auto created = fit::CalibrationAccumulator::create(shape);
   if (!created.ok()) return Status(StatusCode::kDataLoss, what + ": " + created.status().message());
   fit::CalibrationAccumulator acc = std::move(*created);
   acc.set_value_weighting(value_weighting);
-  auto unstack = [&](const std::vector<double>& v, int64_t index) {
-    Eigen::MatrixXd m(d, d);
-    for (int64_t i = 0; i < d; ++i) {
-      for (int64_t j = 0; j < d; ++j) m(i, j) = v[(index * d + i) * d + j];
-    }
-    return m;
-  };
-  const std::vector<double>& tokens = stored[stored.size() - 2].values;
-  const std::vector<double>& value_tokens = stored.back().values;
+  constexpr size_t kParts = std::size(detail::kAccumulatorLayerParts);
+  const std::vector<double>& tokens = stored[stored.size() - 2];
+  const std::vector<double>& value_tokens = stored.back();
   for (int32_t l = 0; l < shape.num_layers; ++l) {
     fit::LayerSums& s = acc.mutable_sums(l);
-    const std::vector<double>& qtq = stored[5 * l].values;
-    const std::vector<double>& ktk = stored[5 * l + 1].values;
-    const std::vector<double>& vtv = stored[5 * l + 2].values;
-    const std::vector<double>& wvtv = stored[5 * l + 3].values;
-    const std::vector<double>& wsum = stored[5 * l + 4].values;
-    for (int64_t h = 0; h < kv; ++h) {
-      s.qtq[h] = unstack(qtq, h);
-      s.wvtv[h] = unstack(wvtv, h);
-      s.wsum[h] = wsum[h];
-    }
-    s.ktk = unstack(ktk, 0);
-    s.vtv = unstack(vtv, 0);
+    for (size_t p = 0; p < kParts; ++p) detail::set_part(s, detail::kAccumulatorLayerParts[p], stored[l * kParts + p], d);
     const double t = tokens[l], vt = value_tokens[l];
     if (!(t >= 0 && vt >= 0 && t == std::floor(t) && vt == std::floor(vt) && t < 9.0e15 && vt < 9.0e15)) {
       return data_loss(what + ": tokens/value_tokens of layer " + std::to_string(l) + " are not counts");
