@@ -56,7 +56,7 @@ struct Bf16PoolRef {
 
 inline Status validate(const Int2PoolRef& pool, const char* name) {
   const std::string what = std::string(name) + ": ";
-  OSCAR_RETURN_IF_ERROR(validate(pool.layout));
+  if (const Status layout = validate(pool.layout); !layout.ok()) return Status(layout.code(), what + layout.message());
   if (pool.num_pages > 0 && !pool.data) return invalid_argument(what + "data must not be null");
   if (pool.num_pages < 0 || pool.num_kv_heads <= 0) {
     return invalid_argument(what + "num_pages must be >= 0 and num_kv_heads > 0");
@@ -94,6 +94,14 @@ inline Status validate(const Bf16PoolRef& pool, const char* name) {
   return Status::Ok();
 }
 
+// Whether every row of a BF16 pool starts 16-byte aligned (its data and strides; rows are
+// head_dim * 2 bytes, a multiple of 128): what kernels that read or copy rows in 16-byte
+// pieces need. The attention kernels require it; the write kernels fall back to element-wise
+// copies without it.
+inline bool bf16_rows_16b_aligned(const Bf16PoolRef& pool) {
+  return reinterpret_cast<uintptr_t>(pool.data) % 16 == 0 && pool.stride_page % 8 == 0 && pool.stride_head % 8 == 0;
+}
+
 // The four pools of one layer (K and V, BF16 and INT2): each valid on its own, and all of one
 // shape, so that a page id, head and row mean the same thing in each of them.
 inline Status validate_pool_set(const Bf16PoolRef& k_bf16, const Bf16PoolRef& v_bf16, const Int2PoolRef& k_int2,
@@ -102,16 +110,31 @@ inline Status validate_pool_set(const Bf16PoolRef& k_bf16, const Bf16PoolRef& v_
   OSCAR_RETURN_IF_ERROR(validate(v_bf16, "v_bf16 pool"));
   OSCAR_RETURN_IF_ERROR(validate(k_int2, "k_int2 pool"));
   OSCAR_RETURN_IF_ERROR(validate(v_int2, "v_int2 pool"));
+  // The first field on which a pool disagrees with the pool it must match, named with both values.
   const Int2Layout& layout = k_int2.layout;
-  const bool agree = v_int2.layout.head_dim == layout.head_dim &&
-                     v_int2.layout.quant_group_size == layout.quant_group_size &&
-                     v_int2.layout.page_size == layout.page_size && k_bf16.head_dim == layout.head_dim &&
-                     v_bf16.head_dim == layout.head_dim && k_bf16.page_size == layout.page_size &&
-                     v_bf16.page_size == layout.page_size && k_bf16.num_kv_heads == k_int2.num_kv_heads &&
-                     v_bf16.num_kv_heads == k_int2.num_kv_heads && v_int2.num_kv_heads == k_int2.num_kv_heads &&
-                     k_bf16.num_pages == v_bf16.num_pages && k_int2.num_pages == v_int2.num_pages;
-  if (!agree) {
-    return invalid_argument("pools disagree on head_dim, page_size, quant_group_size, num_kv_heads or num_pages");
+  struct Field {
+    const char *what, *reference;
+    int64_t value, expected;
+  };
+  const Field fields[] = {
+      {"v_int2 head_dim", "k_int2", v_int2.layout.head_dim, layout.head_dim},
+      {"v_int2 quant_group_size", "k_int2", v_int2.layout.quant_group_size, layout.quant_group_size},
+      {"v_int2 page_size", "k_int2", v_int2.layout.page_size, layout.page_size},
+      {"v_int2 num_kv_heads", "k_int2", v_int2.num_kv_heads, k_int2.num_kv_heads},
+      {"v_int2 num_pages", "k_int2", v_int2.num_pages, k_int2.num_pages},
+      {"k_bf16 head_dim", "k_int2", k_bf16.head_dim, layout.head_dim},
+      {"v_bf16 head_dim", "k_int2", v_bf16.head_dim, layout.head_dim},
+      {"k_bf16 page_size", "k_int2", k_bf16.page_size, layout.page_size},
+      {"v_bf16 page_size", "k_int2", v_bf16.page_size, layout.page_size},
+      {"k_bf16 num_kv_heads", "k_int2", k_bf16.num_kv_heads, k_int2.num_kv_heads},
+      {"v_bf16 num_kv_heads", "k_int2", v_bf16.num_kv_heads, k_int2.num_kv_heads},
+      {"v_bf16 num_pages", "k_bf16", v_bf16.num_pages, k_bf16.num_pages},
+  };
+  for (const Field& f : fields) {
+    if (f.value != f.expected) {
+      return invalid_argument(std::string("pools disagree: ") + f.what + " is " + std::to_string(f.value) + ", " +
+                              f.reference + "'s " + std::to_string(f.expected));
+    }
   }
   return Status::Ok();
 }

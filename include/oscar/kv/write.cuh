@@ -962,12 +962,6 @@ Status dispatch_shape(int head_dim, int group, Launch&& launch) {
 
 namespace write_detail {
 
-// Whether every row of a BF16 pool starts 16-byte aligned (its data and strides; rows are
-// head_dim * 2 bytes, a multiple of 128): what kernels that copy rows in 16-byte pieces need.
-inline bool bf16_rows_16b_aligned(const Bf16PoolRef& pool) {
-  return reinterpret_cast<uintptr_t>(pool.data) % 16 == 0 && pool.stride_page % 8 == 0 && pool.stride_head % 8 == 0;
-}
-
 // Why the tensor-core rotation cannot take these arguments, or "" when it can: it reads rows
 // and R in 16-byte pieces and stores BF16 rows in 16-byte pieces.
 inline std::string tensor_core_rotation_blocker(const AppendParams& p) {
@@ -1189,15 +1183,15 @@ inline Status demote_kv(const DemoteParams& params, cudaStream_t stream = nullpt
   if (!params.error_flag) return invalid_argument("error_flag must not be null");
   if (params.num_demotions == 0) return Status::Ok();
   using namespace write_detail;
-  if (params.num_demotions > kInBlockCheckLimit) {
-    check_demotions_kernel<<<(params.num_demotions + 255) / 256, 256, 0, stream>>>(
-        params.demotions, params.num_demotions, params.pools, params.error_flag);
-    OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "demote_kv check launch"));
-  }
   const Int2Layout& layout = params.pools.k_int2.layout;
   const int64_t rows = int64_t{params.num_demotions} * params.pools.k_int2.num_kv_heads * layout.page_size;
   if (rows >= (int64_t{1} << 31) || params.pools.num_layers * 2 > 65535) {
     return invalid_argument("demote_kv: too many rows or layers for one launch; split it");
+  }
+  if (params.num_demotions > kInBlockCheckLimit) {  // after every host check: a refusal queues nothing
+    check_demotions_kernel<<<(params.num_demotions + 255) / 256, 256, 0, stream>>>(
+        params.demotions, params.num_demotions, params.pools, params.error_flag);
+    OSCAR_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "demote_kv check launch"));
   }
   const int64_t items = rows / kDemoteRowsPerItem;
   const int planes = params.pools.num_layers * 2;

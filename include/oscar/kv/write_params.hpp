@@ -110,8 +110,12 @@ struct AppendParams {
   const TokenSlot* slots = nullptr;  // [num_tokens], device memory
   bool values_prerotated = false;
   AppendRotation rotation = AppendRotation::kAuto;
-  // Optional, device memory: set to a non-zero code when a slot is out of range; the launch
-  // then writes nothing at all. Left untouched on success (zero it before the launch).
+  // Required, device memory: set to a non-zero code when a slot is out of range; the launch
+  // then writes nothing at all. Left untouched on success. Zero it before the launch, and
+  // again after handling an error: a launch of more than kInBlockCheckLimit entries checks
+  // them in a pre-pass and writes only while the flag is zero, so a flag left set by an
+  // earlier launch (even one of demote_kv sharing it) stops it writing; smaller launches
+  // check their own entries only.
   int32_t* error_flag = nullptr;
 };
 
@@ -129,8 +133,12 @@ inline Status validate(const LayeredKvPools& pools) {
   OSCAR_RETURN_IF_ERROR(validate_pool_set(pools.k_bf16, pools.v_bf16, pools.k_int2, pools.v_int2));
   if (pools.num_layers < 1) return invalid_argument("num_layers must be >= 1");
   if (pools.num_layers > 1) {
-    const int64_t bf16_span = pools.k_bf16.stride_page * pools.k_bf16.num_pages;
-    const int64_t int2_span = pools.k_int2.stride_page * pools.k_int2.num_pages;
+    // Each layer's K and V pools, at the same layer stride, must both end before the next
+    // layer's begin: V's strides may differ from K's (the pools only carry strides).
+    const int64_t bf16_span = std::max(pools.k_bf16.stride_page * pools.k_bf16.num_pages,
+                                       pools.v_bf16.stride_page * pools.v_bf16.num_pages);
+    const int64_t int2_span = std::max(pools.k_int2.stride_page * pools.k_int2.num_pages,
+                                       pools.v_int2.stride_page * pools.v_int2.num_pages);
     if (pools.bf16_stride_layer < bf16_span || pools.int2_stride_layer < int2_span) {
       return invalid_argument("layer strides smaller than one layer's pool: layers overlap");
     }
