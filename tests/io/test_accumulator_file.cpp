@@ -77,7 +77,20 @@ void check_same_sums(const fit::CalibrationAccumulator& a, const fit::Calibratio
     CHECK(x.wsum == y.wsum);
     CHECK(x.tokens == y.tokens);
     CHECK(x.value_tokens == y.value_tokens);
+    CHECK(b.frozen_a(l) == a.frozen_a(l));
   }
+}
+
+// A worker of a distributed calibration with the authors' proxy weights: pass 1 over its own
+// tokens, then pass 2 weighted by the A_h of `frozen_from` (itself when null).
+fit::CalibrationAccumulator proxy_worker(uint64_t seed, const fit::CalibrationAccumulator* frozen_from) {
+  auto acc = fit::CalibrationAccumulator::create(kShape);
+  REQUIRE(acc.ok());
+  const testing::Activations a = testing::make_activations(kShape, 24, seed);
+  for (int32_t l = 0; l < kShape.num_layers; ++l) REQUIRE(acc->add_chunk(l, a.q.data(), a.k.data(), a.v.data(), a.tokens).ok());
+  REQUIRE(acc->begin_value_pass(frozen_from ? *frozen_from : *acc).ok());
+  for (int32_t l = 0; l < kShape.num_layers; ++l) REQUIRE(acc->add_values_proxy(l, a.k.data(), a.v.data(), a.tokens).ok());
+  return std::move(*acc);
 }
 }  // namespace
 
@@ -239,4 +252,78 @@ TEST_CASE("fuzz: mutated accumulator files never crash the reader") {
   }
   CHECK(rejected > 0);
   MESSAGE("fuzz: " << rejected << " rejected, " << accepted << " accepted (benign mutations)");
+}
+
+TEST_CASE("a proxy value pass keeps its frozen A_h through a save: merge and add_chunk behave as before it") {
+  // Two workers that each froze their own A_h: their pass-2 sums must not merge, live or loaded.
+  const fit::CalibrationAccumulator a = proxy_worker(5, nullptr), b = proxy_worker(6, nullptr);
+  auto a_file = parse(*serialize_accumulators(a));
+  auto b_file = parse(*serialize_accumulators(b));
+  REQUIRE_MESSAGE(a_file.ok(), a_file.status().to_string());
+  REQUIRE_MESSAGE(b_file.ok(), b_file.status().to_string());
+  check_same_sums(a, *a_file);
+  CHECK(a_file->value_pass_started(0));
+  fit::CalibrationAccumulator live = a;
+  CHECK(live.merge(b).message().find("different frozen A_h") != std::string::npos);
+  CHECK(a_file->merge(*b_file).message().find("different frozen A_h") != std::string::npos);
+  // The same A_h (a loaded copy of the same worker) merges; pass 1 stays closed after a load.
+  fit::CalibrationAccumulator again = a;
+  CHECK(again.merge(*a_file).ok());
+  const testing::Activations x = testing::make_activations(kShape, 4, 9);
+  CHECK(a_file->add_chunk(0, x.q.data(), x.k.data(), x.v.data(), x.tokens).message().find("A_h is frozen") !=
+        std::string::npos);
+  // Workers whose pass 2 started from one merged pass 1 merge after a round trip.
+  fit::CalibrationAccumulator merged = proxy_worker(7, nullptr);
+  const fit::CalibrationAccumulator c = proxy_worker(8, &merged), d = proxy_worker(9, &merged);
+  auto c_file = parse(*serialize_accumulators(c));
+  auto d_file = parse(*serialize_accumulators(d));
+  REQUIRE(c_file.ok());
+  REQUIRE(d_file.ok());
+  CHECK(c_file->merge(*d_file).ok());
+}
+
+TEST_CASE("the frozen A_h come last in the checksum, in layer order; version 1 files hold none") {
+  auto worker = fit::CalibrationAccumulator::create(kShape);
+  REQUIRE(worker.ok());
+  const testing::Activations a = testing::make_activations(kShape, 16, 4);
+  for (int32_t l = 0; l < kShape.num_layers; ++l) REQUIRE(worker->add_chunk(l, a.q.data(), a.k.data(), a.v.data(), a.tokens).ok());
+  REQUIRE(worker->freeze_layer(1).ok());  // one layer's value pass started, as a tool that goes layer by layer
+  const std::vector<uint8_t> good = *serialize_accumulators(*worker);
+  auto file = SafetensorsFile::parse(good);
+  REQUIRE(file.ok());
+  CHECK(file->metadata().at("format_version") == "2");
+  CHECK(file->find("layers.0.frozen_a") == nullptr);
+  REQUIRE(file->find("layers.1.frozen_a") != nullptr);
+  uint32_t crc = 0;
+  for (const char* key : {"format", "format_version", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
+                          "value_weighting"}) {
+    crc = crc32(std::string(key) + "=" + file->metadata().at(key) + "\n", crc);
+  }
+  std::vector<std::string> order;
+  for (int l = 0; l < kShape.num_layers; ++l) {
+    for (const char* part : {"qtq", "ktk", "vtv", "wvtv", "wsum"}) order.push_back("layers." + std::to_string(l) + "." + part);
+  }
+  order.insert(order.end(), {"tokens", "value_tokens", "layers.1.frozen_a"});
+  CHECK(order.size() == file->tensors().size());
+  for (const std::string& name : order) crc = crc32(*file->read_bytes(*file->find(name)), crc);
+  CHECK(file->metadata().at(kAccumulatorChecksumKey) == detail::crc32_hex(crc));
+  auto back = parse(good);
+  REQUIRE_MESSAGE(back.ok(), back.status().to_string());
+  CHECK(!back->value_pass_started(0));
+  CHECK(back->value_pass_started(1));
+  check_same_sums(*worker, *back);
+  // A changed A_h entry is corruption.
+  std::vector<uint8_t> bad = good;
+  bad[byte_of(good, "layers.1.frozen_a", 17, 3)] ^= 0x10;
+  CHECK(error_of(bad).find("content checksum mismatch") != std::string::npos);
+  // Version 1 (written before the A_h were saved): the same sums, no value pass state; a
+  // frozen_a tensor there is not part of the format.
+  const std::string one = "1";
+  CHECK(error_of(with_metadata(good, "format_version", &one, false)) ==
+        "acc.safetensors: unexpected tensor \"layers.1.frozen_a\"");
+  auto v1 = parse(with_metadata(*serialize_accumulators(make_accumulator()), "format_version", &one, false));
+  REQUIRE(v1.ok());
+  CHECK(!v1->value_pass_started(0));
+  const std::string three = "3";
+  CHECK(error_of(with_metadata(good, "format_version", &three, false)).find("format_version 3") != std::string::npos);
 }

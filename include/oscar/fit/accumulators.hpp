@@ -133,6 +133,24 @@ class CalibrationAccumulator {
   const LayerSums& sums(int32_t layer) const { return layers_[layer]; }
   LayerSums& mutable_sums(int32_t layer) { return layers_[layer]; }  // for loaders
   void set_value_weighting(ValueWeighting w) { weighting_ = w; }     // for loaders
+  // The A_h a layer's value pass weights with, [num_kv_heads] d×d; empty before it started.
+  // Saved with the sums (io/accumulator_file.hpp) so that a loaded pass-2 accumulator still
+  // refuses pass-1 chunks and merges only with sums made under the same A_h.
+  const std::vector<Eigen::MatrixXd>& frozen_a(int32_t layer) const { return frozen_a_[layer]; }
+  Status restore_frozen_a(int32_t layer, std::vector<Eigen::MatrixXd> a) {  // for loaders
+    OSCAR_RETURN_IF_ERROR(check_layer(layer, 0));
+    if (a.size() != static_cast<size_t>(shape_.num_kv_heads)) {
+      return invalid_argument("restore_frozen_a: " + std::to_string(a.size()) + " matrices for " +
+                              std::to_string(shape_.num_kv_heads) + " KV heads");
+    }
+    for (const Eigen::MatrixXd& m : a) {
+      if (m.rows() != shape_.head_dim || m.cols() != shape_.head_dim) {
+        return invalid_argument("restore_frozen_a: a matrix is not head_dim x head_dim");
+      }
+    }
+    frozen_a_[layer] = std::move(a);
+    return Status::Ok();
+  }
 
   // Pass 1. q: float32 [tokens, num_qo_heads, head_dim], k and v: [tokens, num_kv_heads,
   // head_dim], row-major, post-RoPE. k or v may be null (then KᵀK or VᵀV is not updated).

@@ -6,17 +6,21 @@
 //   layers.{l}.vtv   F64 [d, d]
 //   layers.{l}.wvtv  F64 [num_kv_heads, d, d]  Σ w_t vᵀv (value pass)
 //   layers.{l}.wsum  F64 [num_kv_heads]        Σ w_t
-// and tokens / value_tokens F64 [num_layers] (exact below 2^53). Metadata: format
-// ("oscar-accumulators"), format_version, num_layers, num_qo_heads, num_kv_heads, head_dim,
-// value_weighting (none, proxy, attention_mass), content_crc32. Sums, not means: files merge
-// by addition.
+// then tokens / value_tokens F64 [num_layers] (exact below 2^53), then, for each layer whose
+// proxy value pass has started (format_version 2), in layer order:
+//   layers.{l}.frozen_a F64 [num_kv_heads, d, d]  the A_h that pass weights with
+// so that a loaded pass-2 accumulator refuses pass-1 chunks and merges only with sums made
+// under the same A_h, as the live one does. Metadata: format ("oscar-accumulators"),
+// format_version (2; files of version 1, written before the value-pass state was saved, load
+// without it), num_layers, num_qo_heads, num_kv_heads, head_dim, value_weighting (none, proxy,
+// attention_mass), content_crc32. Sums, not means: files merge by addition.
 //
 // content_crc32 is the CRC-32 (zlib's) of "key=value\n" for each of kAccumulatorChecksummedKeys,
-// then of every tensor's little-endian F64 bytes in the order the writer adds them
-// (layers.0.qtq, .ktk, .vtv, .wvtv, .wsum, layers.1.qtq, ..., tokens, value_tokens): a flipped
-// bit in a covariance entry, which every other check accepts, would otherwise bend the fitted
-// rotations without a word. The loader checks it after the structure and before the values,
-// so a corrupted file is named as one; files written before it (2026-12-07) load unchecked.
+// then of every tensor's little-endian F64 bytes in the order above (layers.0.qtq, .ktk, .vtv,
+// .wvtv, .wsum, layers.1.qtq, ..., tokens, value_tokens, the frozen A_h): a flipped bit in a
+// covariance entry, which every other check accepts, would otherwise bend the fitted rotations
+// without a word. The loader checks it after the structure and before the values, so a
+// corrupted file is named as one; files written before it (2026-12-07) load unchecked.
 #pragma once
 
 #include <algorithm>
@@ -37,7 +41,7 @@
 
 namespace oscar::io {
 
-inline constexpr int32_t kAccumulatorFormatVersion = 1;
+inline constexpr int32_t kAccumulatorFormatVersion = 2;  // written; 1 and 2 are read
 inline constexpr const char* kAccumulatorFormatTag = "oscar-accumulators";
 inline constexpr const char* kAccumulatorChecksumKey = "content_crc32";
 
@@ -90,7 +94,9 @@ inline std::vector<int64_t> part_shape(AccumulatorPart part, int64_t kv_heads, i
   }
 }
 
-inline std::vector<AccumulatorTensor> accumulator_tensors(const fit::ModelShape& s) {
+// The file's tensors in order; frozen_layers: the layers whose frozen A_h it holds.
+inline std::vector<AccumulatorTensor> accumulator_tensors(const fit::ModelShape& s,
+                                                          const std::vector<int32_t>& frozen_layers) {
   std::vector<AccumulatorTensor> tensors;
   for (int32_t l = 0; l < s.num_layers; ++l) {
     for (AccumulatorPart part : kAccumulatorLayerParts) {
@@ -99,41 +105,50 @@ inline std::vector<AccumulatorTensor> accumulator_tensors(const fit::ModelShape&
   }
   tensors.push_back({"tokens", {s.num_layers}});
   tensors.push_back({"value_tokens", {s.num_layers}});
+  for (const int32_t l : frozen_layers) {
+    tensors.push_back({layer_tensor_name(l, "frozen_a"), {s.num_kv_heads, s.head_dim, s.head_dim}});
+  }
   return tensors;
+}
+
+// Matrices as the file's row-major values, one after another.
+inline std::vector<double> matrices_values(const std::vector<Eigen::MatrixXd>& matrices) {
+  std::vector<double> out;
+  for (const Eigen::MatrixXd& m : matrices) {
+    for (int64_t i = 0; i < m.rows(); ++i) {
+      for (int64_t j = 0; j < m.cols(); ++j) out.push_back(m(i, j));
+    }
+  }
+  return out;
+}
+inline Eigen::MatrixXd matrix_of(const std::vector<double>& values, int64_t index, int64_t d) {
+  Eigen::MatrixXd m(d, d);
+  for (int64_t i = 0; i < d; ++i) {
+    for (int64_t j = 0; j < d; ++j) m(i, j) = values[(index * d + i) * d + j];
+  }
+  return m;
 }
 
 // A part of one layer's sums as the file's row-major values (symmetric matrices stored whole).
 inline std::vector<double> part_values(const fit::LayerSums& sums, AccumulatorPart part) {
-  std::vector<double> out;
-  const auto append = [&](const Eigen::MatrixXd& lower) {
-    const Eigen::MatrixXd full = fit::detail::symmetrized(lower);
-    for (int64_t i = 0; i < full.rows(); ++i) {
-      for (int64_t j = 0; j < full.cols(); ++j) out.push_back(full(i, j));
-    }
+  const auto full = [](const std::vector<Eigen::MatrixXd>& lower) {
+    std::vector<Eigen::MatrixXd> out;
+    for (const Eigen::MatrixXd& m : lower) out.push_back(fit::detail::symmetrized(m));
+    return matrices_values(out);
   };
   switch (part) {
-    case AccumulatorPart::kQtq:
-      for (const Eigen::MatrixXd& m : sums.qtq) append(m);
-      break;
-    case AccumulatorPart::kKtk: append(sums.ktk); break;
-    case AccumulatorPart::kVtv: append(sums.vtv); break;
-    case AccumulatorPart::kWvtv:
-      for (const Eigen::MatrixXd& m : sums.wvtv) append(m);
-      break;
-    case AccumulatorPart::kWsum: out.assign(sums.wsum.data(), sums.wsum.data() + sums.wsum.size()); break;
+    case AccumulatorPart::kQtq: return full(sums.qtq);
+    case AccumulatorPart::kKtk: return full({sums.ktk});
+    case AccumulatorPart::kVtv: return full({sums.vtv});
+    case AccumulatorPart::kWvtv: return full(sums.wvtv);
+    case AccumulatorPart::kWsum: return std::vector<double>(sums.wsum.data(), sums.wsum.data() + sums.wsum.size());
   }
-  return out;
+  return {};
 }
 
 // The inverse of part_values, into sums shaped by CalibrationAccumulator::create.
 inline void set_part(fit::LayerSums& sums, AccumulatorPart part, const std::vector<double>& values, int64_t d) {
-  const auto matrix = [&](int64_t index) {
-    Eigen::MatrixXd m(d, d);
-    for (int64_t i = 0; i < d; ++i) {
-      for (int64_t j = 0; j < d; ++j) m(i, j) = values[(index * d + i) * d + j];
-    }
-    return m;
-  };
+  const auto matrix = [&](int64_t index) { return matrix_of(values, index, d); };
   switch (part) {
     case AccumulatorPart::kQtq:
       for (size_t h = 0; h < sums.qtq.size(); ++h) sums.qtq[h] = matrix(int64_t(h));
@@ -174,14 +189,19 @@ inline Result<std::vector<uint8_t>> serialize_accumulators(const fit::Calibratio
     tokens.push_back(static_cast<double>(acc.sums(l).tokens));
     value_tokens.push_back(static_cast<double>(acc.sums(l).value_tokens));
   }
-  const std::vector<detail::AccumulatorTensor> tensors = detail::accumulator_tensors(s);
+  std::vector<int32_t> frozen_layers;
+  for (int32_t l = 0; l < s.num_layers; ++l) {
+    if (acc.value_pass_started(l)) frozen_layers.push_back(l);
+  }
+  const std::vector<detail::AccumulatorTensor> tensors = detail::accumulator_tensors(s, frozen_layers);
   constexpr size_t kParts = std::size(detail::kAccumulatorLayerParts);
+  const size_t layer_tensors = size_t(s.num_layers) * kParts;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const size_t layer = i / kParts;
     const std::vector<double> values =
-        layer < size_t(s.num_layers) ? detail::part_values(acc.sums(int32_t(layer)), detail::kAccumulatorLayerParts[i % kParts])
-        : i + 2 == tensors.size()    ? tokens
-                                     : value_tokens;
+        i < layer_tensors       ? detail::part_values(acc.sums(int32_t(i / kParts)), detail::kAccumulatorLayerParts[i % kParts])
+        : i == layer_tensors     ? tokens
+        : i == layer_tensors + 1 ? value_tokens
+                                 : detail::matrices_values(acc.frozen_a(frozen_layers[i - layer_tensors - 2]));
     // Into the file and the checksum in the same order, its bytes encoded once.
     std::vector<uint8_t> bytes = f64_le_bytes(values);
     crc = crc32(bytes, crc);
@@ -209,8 +229,9 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
   }
   int64_t version = 0, layers = 0, qo = 0, kv = 0, d = 0;
   OSCAR_RETURN_IF_ERROR(detail::parse_int(meta, what, "format_version", 0, INT32_MAX, &version));
-  if (version != kAccumulatorFormatVersion) {
-    return unsupported(what + ": accumulator format_version " + std::to_string(version));
+  if (version != 1 && version != kAccumulatorFormatVersion) {
+    return unsupported(what + ": accumulator format_version " + std::to_string(version) + " (this oscar reads 1 and " +
+                       std::to_string(kAccumulatorFormatVersion) + ")");
   }
   OSCAR_RETURN_IF_ERROR(detail::parse_int(meta, what, "num_layers", 1, 4096, &layers));
   OSCAR_RETURN_IF_ERROR(detail::parse_int(meta, what, "num_qo_heads", 1, 4096, &qo));
@@ -238,7 +259,13 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
   // allocated for the metadata's sizes before the file's own tensors have shown them (a
   // corrupted num_layers or head_dim in a small file would otherwise ask for gigabytes).
   // The checksum runs over the bytes as read, in the table's order.
-  const std::vector<detail::AccumulatorTensor> tensors = detail::accumulator_tensors(shape);
+  std::vector<int32_t> frozen_layers;  // version 2: where the file holds the value pass's A_h
+  if (version >= 2) {
+    for (int32_t l = 0; l < shape.num_layers; ++l) {
+      if (file.find(layer_tensor_name(l, "frozen_a"))) frozen_layers.push_back(l);
+    }
+  }
+  const std::vector<detail::AccumulatorTensor> tensors = detail::accumulator_tensors(shape, frozen_layers);
   std::vector<std::vector<double>> stored;  // tensors[i]'s values
   uint32_t crc = detail::accumulator_metadata_crc32(meta);
   for (const detail::AccumulatorTensor& t : tensors) {
@@ -278,8 +305,9 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
   fit::CalibrationAccumulator acc = std::move(*created);
   acc.set_value_weighting(value_weighting);
   constexpr size_t kParts = std::size(detail::kAccumulatorLayerParts);
-  const std::vector<double>& tokens = stored[stored.size() - 2];
-  const std::vector<double>& value_tokens = stored.back();
+  const size_t layer_tensors = size_t(shape.num_layers) * kParts;  // then tokens, value_tokens, the A_h
+  const std::vector<double>& tokens = stored[layer_tensors];
+  const std::vector<double>& value_tokens = stored[layer_tensors + 1];
   for (int32_t l = 0; l < shape.num_layers; ++l) {
     fit::LayerSums& s = acc.mutable_sums(l);
     for (size_t p = 0; p < kParts; ++p) detail::set_part(s, detail::kAccumulatorLayerParts[p], stored[l * kParts + p], d);
@@ -289,6 +317,12 @@ inline Result<fit::CalibrationAccumulator> accumulators_from_safetensors(const S
     }
     s.tokens = static_cast<int64_t>(t);
     s.value_tokens = static_cast<int64_t>(vt);
+  }
+  for (size_t i = 0; i < frozen_layers.size(); ++i) {
+    const std::vector<double>& values = stored[layer_tensors + 2 + i];
+    std::vector<Eigen::MatrixXd> a;
+    for (int64_t h = 0; h < kv; ++h) a.push_back(detail::matrix_of(values, h, d));
+    OSCAR_RETURN_IF_ERROR(acc.restore_frozen_a(frozen_layers[i], std::move(a)));
   }
   return Result<fit::CalibrationAccumulator>(std::move(acc));
 }
