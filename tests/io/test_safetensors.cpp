@@ -2,10 +2,12 @@
 // out, and rejection of every malformed header with a message.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "oscar/io/safetensors.hpp"
@@ -105,6 +107,15 @@ TEST_CASE("malformed headers are rejected with a message naming the problem") {
     CHECK(e.find(c.expect) != std::string::npos);
     CHECK(e.find("t.safetensors") == 0);  // names the file
   }
+  // Nesting deeper than a safetensors header has is refused before the parser builds it
+  // (the 100 MB header cap alone allowed ~4 GB of nested arrays); brackets inside strings do
+  // not count, and a header at the depth limit parses.
+  const std::string deep = "{\"a\":" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  CHECK(error_of(file_with_header(deep, 0)) == "t.safetensors: the header nests deeper than 8 levels (not a safetensors header)");
+  const std::string brackets = R"({"__metadata__":{"k":"[[[[[[[[[[{{{{{{{{\"]]"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  CHECK(error_of(file_with_header(brackets, 8)).empty());
+  const std::string eight = R"({"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":[[[[[[1]]]]]]}})";  // 8 levels
+  CHECK(error_of(file_with_header(eight, 8)).empty());
   // Length prefix: too short a file, a header longer than the file, an absurd length.
   CHECK(error_of({1, 2, 3}).find("too short") != std::string::npos);
   std::vector<uint8_t> bad = file_with_header(ok, 8);
@@ -139,4 +150,41 @@ TEST_CASE("open() reads the header only and tensors on demand; writes are atomic
   CHECK(SafetensorsFile::open((dir / "missing").string()).status().code() == StatusCode::kIoError);
   CHECK(write_file_atomic((dir / "no" / "such" / "dir").string(), {}).code() == StatusCode::kIoError);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("concurrent atomic writes to one path each install a whole file, through temporary files of their own") {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("oscar_st_mt_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "p.safetensors").string();
+  std::vector<std::vector<uint8_t>> files;
+  for (int t = 0; t < 4; ++t) {
+    SafetensorsWriter w;
+    REQUIRE(w.add_f32("t", {4096}, std::vector<float>(4096, float(t))).ok());
+    files.push_back(w.serialize());
+  }
+  std::vector<std::thread> threads;
+  std::vector<int> failures(files.size(), 0);
+  for (size_t t = 0; t < files.size(); ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 20; ++i) failures[t] += !write_file_atomic(path, files[t]).ok();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  CHECK(failures == std::vector<int>(files.size(), 0));
+  auto f = SafetensorsFile::open(path);
+  REQUIRE(f.ok());
+  const std::vector<float> v = *f->read_as<float>("t");
+  CHECK(std::count(v.begin(), v.end(), v[0]) == 4096);  // one writer's file, whole
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++entries;
+  CHECK(entries == 1);  // no temporary file left behind
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("the writer refuses a shape whose size overflows instead of wrapping") {
+  SafetensorsWriter w;
+  const Status s = w.add("x", DType::kF32, {int64_t{1} << 32, int64_t{1} << 32}, {});
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message().find("too large") != std::string::npos);
+  CHECK(w.add("y", DType::kF64, {int64_t{1} << 61, 1}, {}).message().find("too large") != std::string::npos);
 }

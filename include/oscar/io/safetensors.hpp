@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -113,10 +114,44 @@ inline uint64_t read_le64(const uint8_t* p) {
 }
 
 // Parses and validates the JSON header against the size of the data buffer.
+inline constexpr int kMaxSafetensorsHeaderDepth = 8;
+
+// Whether JSON text opens more than `limit` nested arrays or objects (brackets inside strings,
+// escapes included, do not count). Linear, no allocation.
+inline bool json_nesting_exceeds(std::string_view text, int limit) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
 inline Status parse_header(std::string_view what, const char* json_begin, size_t json_size,
                            uint64_t data_bytes, std::vector<TensorInfo>* tensors,
                            std::map<std::string, std::string>* metadata) {
   using nlohmann::json;
+  // A safetensors header nests 3 deep (the object, a tensor's entry, its shape). Deeper input
+  // is refused before parsing: the parser would build every level (a 100 MB header of '['
+  // took ~4 GB).
+  if (json_nesting_exceeds(std::string_view(json_begin, json_size), kMaxSafetensorsHeaderDepth)) {
+    return data_loss(std::string(what) + ": the header nests deeper than " + std::to_string(kMaxSafetensorsHeaderDepth) +
+                     " levels (not a safetensors header)");
+  }
   const json header = json::parse(json_begin, json_begin + json_size, nullptr,
                                   /*allow_exceptions=*/false);
   if (header.is_discarded()) return data_loss(std::string(what) + ": the header is not valid JSON");
@@ -378,10 +413,14 @@ class SafetensorsWriter {
     e.info.name = std::move(name);
     e.info.dtype = dtype;
     e.info.shape = std::move(shape);
+    uint64_t size = static_cast<uint64_t>(dtype_bytes(dtype));  // checked as it grows: numel() could wrap
     for (int64_t s : e.info.shape) {
       if (s < 0) return invalid_argument("tensor \"" + e.info.name + "\": negative shape entry");
+      if (__builtin_mul_overflow(size, static_cast<uint64_t>(s), &size) || size > uint64_t{INT64_MAX}) {
+        return invalid_argument("tensor \"" + e.info.name + "\": shape " + e.info.shape_string() + " is too large");
+      }
     }
-    if (static_cast<uint64_t>(e.info.numel()) * dtype_bytes(dtype) != bytes.size()) {
+    if (size != bytes.size()) {
       return invalid_argument("tensor \"" + e.info.name + "\": " + std::to_string(bytes.size()) +
                               " bytes for shape " + e.info.shape_string() + " of " + to_string(dtype));
     }
@@ -435,9 +474,17 @@ class SafetensorsWriter {
 // Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed to
 // disk, then renamed over `path`. A crash leaves either the old file or the new one, never a
 // half-written one (rename is atomic within a file system on POSIX).
+// The temporary file is created exclusively (O_EXCL: never one another thread or process is
+// writing, never through a link left at its name), named by the process and a counter.
 inline Status write_file_atomic(const std::string& path, std::span<const uint8_t> bytes) {
-  const std::string temp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  static std::atomic<uint64_t> counter{0};
+  std::string temp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
+    temp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1));
+    fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) return io_error(temp + ": cannot create (" + std::strerror(errno) + ")");
   size_t done = 0;
   while (done < bytes.size()) {
@@ -451,8 +498,11 @@ inline Status write_file_atomic(const std::string& path, std::span<const uint8_t
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const std::string why = std::strerror(errno);
+  const bool synced = ::fsync(fd) == 0;
+  const int sync_errno = errno;
+  const bool closed = ::close(fd) == 0;  // closed whether or not the flush worked
+  if (!synced || !closed) {
+    const std::string why = std::strerror(synced ? errno : sync_errno);
     ::unlink(temp.c_str());
     return io_error(temp + ": flush failed (" + why + ")");
   }
