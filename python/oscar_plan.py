@@ -10,14 +10,16 @@ kernels, and the clip ranks the kernels take, computed exactly as oscar::clip_ra
     plan.k_rotation[layer]          # numpy float32 [head_dim, head_dim]
     plan.k_clip_rank(layer)         # int, -1 for no clipping
 
-Checks what oscar::io::load_plan checks (format, versions, tensor names, dtypes and shapes,
-the content checksum where the file has one, finite entries, orthogonal rotations, ratios in
-(0, 1]) and raises PlanError naming the problem. `python3 oscar_plan.py PLAN` prints a
+Checks what oscar::io::load_plan checks (the safetensors structure, format, versions, the
+required metadata and its ranges, tensor names, dtypes and shapes, the content checksum where
+the file has one, finite entries, orthogonal rotations, ratios in (0, 1]) and raises PlanError
+naming the problem. `python3 oscar_plan.py PLAN` prints a
 summary, or the error and exit status 2.
 """
 
 import json
 import math
+import re
 import struct
 import sys
 import zlib
@@ -72,7 +74,13 @@ class Plan:
         return clip_rank(self.v_clip_ratios[layer], self.head_dim)
 
 
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
 def _read_tensors(path: str, data: bytes):
+    """The header's tensors (name -> (dtype, shape, begin, end)), its metadata and the data
+    buffer, with the structure oscar::io::SafetensorsFile checks: every entry well formed, its
+    extent the size its dtype and shape need, and the tensors tiling the buffer."""
     if len(data) < 8:
         raise PlanError(f"{path}: truncated (no header length)")
     (header_len,) = struct.unpack("<Q", data[:8])
@@ -80,8 +88,9 @@ def _read_tensors(path: str, data: bytes):
         raise PlanError(f"{path}: truncated (header of {header_len} bytes, file of {len(data)})")
     try:
         header = json.loads(data[8:8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PlanError(f"{path}: corrupted header ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise PlanError(f"{path}: corrupted header ({reason})") from None
     if not isinstance(header, dict):
         raise PlanError(f"{path}: corrupted header (not a JSON object)")
     metadata = header.pop("__metadata__", {})
@@ -89,21 +98,69 @@ def _read_tensors(path: str, data: bytes):
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         raise PlanError(f"{path}: corrupted header (__metadata__ values must be strings)")
-    return header, metadata, data[8 + header_len:]
+    body = data[8 + header_len:]
+    tensors = {}
+    for name, info in header.items():
+        where = f"{path}: tensor '{name}'"
+        if not isinstance(info, dict):
+            raise PlanError(f"{where}: entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPE_BYTES:
+            raise PlanError(f"{where}: missing or unknown dtype {dtype!r}")
+        # bool is an int in Python; JSON true is no dimension.
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                  for n in shape):
+            raise PlanError(f"{where}: shape must be a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or
+                not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+            raise PlanError(f"{where}: data_offsets must be two non-negative integers")
+        begin, end = offsets
+        if not begin <= end <= len(body) or end - begin != _DTYPE_BYTES[dtype] * math.prod(shape):
+            raise PlanError(f"{where} lies outside the file or has the wrong size")
+        tensors[name] = (dtype, tuple(shape), begin, end)
+    covered = 0
+    for name, (_, _, begin, end) in sorted(tensors.items(), key=lambda t: (t[1][2], t[1][3])):
+        if begin != covered:
+            raise PlanError(f"{path}: tensor '{name}' starts at byte {begin} of the data buffer, expected {covered} "
+                            "(overlapping or non-contiguous tensors)")
+        covered = end
+    if covered != len(body):
+        raise PlanError(f"{path}: {len(body) - covered} bytes after the last tensor (corrupted header or trailing "
+                        "garbage)")
+    return tensors, metadata, body
 
 
-def _tensor(path: str, header: dict, body: bytes, name: str, shape: tuple) -> np.ndarray:
-    info = header.get(name)
-    if info is None:
+def _tensor(path: str, tensors: dict, body: bytes, name: str, shape: tuple) -> np.ndarray:
+    if name not in tensors:
         raise PlanError(f"{path}: tensor '{name}' is missing")
-    if info.get("dtype") != "F32":
-        raise PlanError(f"{path}: tensor '{name}' has dtype {info.get('dtype')}, expected F32")
-    if tuple(info.get("shape", ())) != shape:
-        raise PlanError(f"{path}: tensor '{name}' has shape {info.get('shape')}, expected {list(shape)}")
-    begin, end = info.get("data_offsets", (0, -1))
-    if not (0 <= begin <= end <= len(body)) or end - begin != 4 * math.prod(shape):
-        raise PlanError(f"{path}: tensor '{name}' lies outside the file or has the wrong size")
+    dtype, stored_shape, begin, end = tensors[name]
+    if dtype != "F32":
+        raise PlanError(f"{path}: tensor '{name}' has dtype {dtype}, expected F32")
+    if stored_shape != shape:
+        raise PlanError(f"{path}: tensor '{name}' has shape {list(stored_shape)}, expected {list(shape)}")
     return np.frombuffer(body[begin:end], dtype="<f4").reshape(shape).astype(np.float32)
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _metadata_int(path: str, metadata: dict, key: str, lo: int, hi: int = _INT32_MAX) -> int:
+    """An integer as oscar::io::detail::parse_int reads it: optional '-', then digits only."""
+    if key not in metadata:
+        raise PlanError(f"{path}: metadata key '{key}' is missing")
+    text = metadata[key]
+    if not re.fullmatch(r"-?[0-9]+", text):
+        raise PlanError(f"{path}: metadata '{key}' = '{text}' is not an integer")
+    value = int(text)
+    if not lo <= value <= hi:
+        raise PlanError(f"{path}: metadata '{key}' = {text} outside [{lo}, {hi}]")
+    return value
+
+
+def _metadata_str(path: str, metadata: dict, key: str) -> str:
+    if key not in metadata:
+        raise PlanError(f"{path}: metadata key '{key}' is missing")
+    return metadata[key]
 
 
 def _finite(path: str, name: str, values: np.ndarray) -> np.ndarray:
@@ -118,37 +175,54 @@ def load_plan(path: str) -> Plan:
             data = f.read()
     except OSError as e:
         raise PlanError(f"{path}: cannot be read ({e.strerror})") from None
-    header, metadata, body = _read_tensors(path, data)
+    tensors, metadata, body = _read_tensors(path, data)
     if metadata.get("format") != FORMAT:
         raise PlanError(f"{path}: not an oscar plan (format '{metadata.get('format')}')")
-    if metadata.get("format_version") != FORMAT_VERSION:
+    if _metadata_int(path, metadata, "format_version", 0) != int(FORMAT_VERSION):
         raise PlanError(f"{path}: plan format_version {metadata.get('format_version')} is not supported "
                         f"(this reader knows {FORMAT_VERSION})")
-    if metadata.get("int2_format_version") != INT2_FORMAT_VERSION:
+    if _metadata_int(path, metadata, "int2_format_version", 0) != int(INT2_FORMAT_VERSION):
         raise PlanError(f"{path}: fitted for INT2 format version {metadata.get('int2_format_version')}, "
                         f"this reader knows {INT2_FORMAT_VERSION}")
-    try:
-        layers, d = int(metadata["num_layers"]), int(metadata["head_dim"])
-    except (KeyError, ValueError):
-        raise PlanError(f"{path}: metadata num_layers / head_dim missing or not integers") from None
-    if layers <= 0 or d <= 0:
-        raise PlanError(f"{path}: num_layers {layers} and head_dim {d} must be positive")
+    # The keys and ranges oscar::io::load_plan requires, in its order.
+    d = _metadata_int(path, metadata, "head_dim", 1)
+    layers = _metadata_int(path, metadata, "num_layers", 1)
+    qo_heads = _metadata_int(path, metadata, "num_qo_heads", 1)
+    kv_heads = _metadata_int(path, metadata, "num_kv_heads", 1)
+    group = _metadata_int(path, metadata, "quant_group_size", 0)
+    for key in ("sink_tokens", "recent_tokens"):
+        _metadata_int(path, metadata, key, 0)
+    _metadata_int(path, metadata, "calibration_tokens", 0, 2**63 - 1)
+    for key in ("method", "clip_method", "model_name"):
+        _metadata_str(path, metadata, key)
+    if d not in (64, 128, 256):
+        raise PlanError(f"{path}: head_dim {d} is not supported (64, 128, 256)")
+    # Bounded before anything is built from it: 2 d x d tensors per layer must exist.
+    if layers > len(tensors):
+        raise PlanError(f"{path}: num_layers {layers} but only {len(tensors)} tensors")
+    if group != 0 and not (group >= 32 and group & (group - 1) == 0 and group <= d):
+        raise PlanError(f"{path}: quant_group_size {group} is not supported for head_dim {d}")
+    if qo_heads % kv_heads != 0:
+        raise PlanError(f"{path}: num_qo_heads {qo_heads} is not a multiple of num_kv_heads {kv_heads}")
     expected = {f"layers.{l}.{t}_rotation" for l in range(layers) for t in "kv"} | {"k_clip_ratios", "v_clip_ratios"}
-    unexpected = sorted(set(header) - expected)
+    unexpected = sorted(set(tensors) - expected)
     if unexpected:
         raise PlanError(f"{path}: unexpected tensor '{unexpected[0]}'")
     # Every tensor's name, dtype, shape and extent first, then the checksum, then the values:
     # a corrupted file is named as one (the order of oscar::io::load_plan).
     names = [f"layers.{l}.{t}_rotation" for l in range(layers) for t in "kv"] + ["k_clip_ratios", "v_clip_ratios"]
-    tensors = {name: _tensor(path, header, body, name, (layers,) if name.endswith("ratios") else (d, d))
-               for name in names}
-    _check_content(path, header, metadata, body, names)
+    values = {name: _tensor(path, tensors, body, name, (layers,) if name.endswith("ratios") else (d, d))
+              for name in names}
+    _check_content(path, tensors, metadata, body, names)
+    for key in ("method", "clip_method"):
+        if not all(0x20 <= ord(ch) <= 0x7e for ch in metadata[key]):
+            raise PlanError(f"{path}: {key} must be printable ASCII")
     rotations = {}
     for t in "kv":
         mats = []
         for l in range(layers):
             name = f"layers.{l}.{t}_rotation"
-            r = _finite(path, name, tensors[name])
+            r = _finite(path, name, values[name])
             error = np.abs(r.astype(np.float64) @ r.T.astype(np.float64) - np.eye(d)).max()
             if error > ORTHOGONALITY_TOLERANCE:
                 raise PlanError(f"{path}: {name} is not orthogonal (max |R R^T - I| = {error:.3g})")
@@ -156,14 +230,14 @@ def load_plan(path: str) -> Plan:
         rotations[t] = np.stack(mats)
     ratios = {}
     for t in "kv":
-        rho = _finite(path, f"{t}_clip_ratios", tensors[f"{t}_clip_ratios"])
+        rho = _finite(path, f"{t}_clip_ratios", values[f"{t}_clip_ratios"])
         if np.any(rho <= 0) or np.any(rho > 1):
             raise PlanError(f"{path}: {t}_clip_ratios must lie in (0, 1]")
         ratios[t] = rho
     return Plan(metadata, rotations["k"], rotations["v"], ratios["k"], ratios["v"])
 
 
-def _check_content(path: str, header: dict, metadata: dict, body: bytes, names: list):
+def _check_content(path: str, tensors: dict, metadata: dict, body: bytes, names: list):
     """The CRC-32 of "key=value\\n" for each checksummed key, then of the bytes of the tensors
     `names` in that order, against the file's content_crc32
     (oscar::io::detail::plan_content_crc32)."""
@@ -178,7 +252,7 @@ def _check_content(path: str, header: dict, metadata: dict, body: bytes, names: 
             raise PlanError(f"{path}: corrupted header (metadata '{key}' is not valid UTF-8)") from None
         crc = zlib.crc32(line, crc)
     for name in names:
-        begin, end = header[name]["data_offsets"]
+        _, _, begin, end = tensors[name]
         crc = zlib.crc32(body[begin:end], crc)
     computed = f"{crc:08x}"
     if stored != computed:

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/command.hpp"
+#include "common/safetensors_edit.hpp"
 #include "common/random.hpp"
 #include "oscar/io/plan_file.hpp"
 #include "oscar/io/safetensors.hpp"
@@ -141,6 +142,37 @@ TEST_CASE("the Python plan reader refuses broken plans and names the problem") {
                    "__metadata__ values must be strings"});
   cases.push_back({"surrogate.safetensors", edited("\"clip_method\":\"fitted\"", "\"clip_method\":\"\\ud800\""),
                    "metadata 'clip_method' is not valid UTF-8"});
+  // Metadata the C++ loader refuses: a layer count no tensor list can hold (refused before
+  // anything is built from it), an integer in another spelling, a required key missing, a
+  // head_dim or group the kernels do not have, head counts that do not divide.
+  auto with_meta = [&](const std::string& key, const char* value) {
+    const std::string v = value ? value : "";
+    return oscar::testing::with_metadata_key(good, key, value ? &v : nullptr, oscar::io::kPlanChecksumKey, false);
+  };
+  cases.push_back({"layers.safetensors", with_meta("num_layers", "300000000"), "num_layers 300000000 but only 10 tensors"});
+  cases.push_back({"plus.safetensors", with_meta("num_layers", "+4"), "metadata 'num_layers' = '+4' is not an integer"});
+  cases.push_back({"noname.safetensors", with_meta("model_name", nullptr), "metadata key 'model_name' is missing"});
+  cases.push_back({"d96.safetensors", with_meta("head_dim", "96"), "head_dim 96 is not supported"});
+  cases.push_back({"group.safetensors", with_meta("quant_group_size", "48"), "quant_group_size 48 is not supported"});
+  cases.push_back({"heads.safetensors", with_meta("num_kv_heads", "2"), "num_qo_heads 9 is not a multiple of"});
+  // Headers whose structure the C++ reader refuses: refused with a message, not a traceback.
+  auto raw = [](const std::string& header, size_t data_bytes) {
+    std::vector<uint8_t> bytes(8);
+    for (int i = 0; i < 8; ++i) bytes[i] = uint8_t(uint64_t(header.size()) >> (8 * i));
+    bytes.insert(bytes.end(), header.begin(), header.end());
+    bytes.resize(bytes.size() + data_bytes);
+    return bytes;
+  };
+  cases.push_back({"entry.safetensors", raw(R"({"x":[1,2]})", 0), "tensor 'x': entry is not an object"});
+  cases.push_back({"shape.safetensors", raw(R"({"x":{"dtype":"F32","shape":1,"data_offsets":[0,4]}})", 4),
+                   "shape must be a list of non-negative integers"});
+  cases.push_back({"offsets.safetensors", raw(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[4]}})", 4),
+                   "data_offsets must be two non-negative integers"});
+  cases.push_back({"overlap.safetensors",
+                   raw(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"y":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+                   "overlapping or non-contiguous tensors"});
+  cases.push_back({"deep.safetensors", raw("{\"x\":" + std::string(100000, '[') + std::string(100000, ']') + "}", 0),
+                   "corrupted header (nested too deeply)"});
   for (const Case& c : cases) {
     CAPTURE(c.name);
     const auto r = python(write(c.name, c.bytes));
