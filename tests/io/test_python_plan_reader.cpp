@@ -157,11 +157,11 @@ TEST_CASE("the Python plan reader refuses broken plans and names the problem") {
   cases.push_back({"heads.safetensors", with_meta("num_kv_heads", "2"), "num_qo_heads 9 is not a multiple of"});
   // Headers whose structure the C++ reader refuses: refused with a message, not a traceback.
   auto raw = [](const std::string& header, size_t data_bytes) {
-    std::vector<uint8_t> bytes(8);
-    for (int i = 0; i < 8; ++i) bytes[i] = uint8_t(uint64_t(header.size()) >> (8 * i));
-    bytes.insert(bytes.end(), header.begin(), header.end());
-    bytes.resize(bytes.size() + data_bytes);
-    return bytes;
+    std::string text(8, '\0');  // the header's length, little-endian, then the header and the data
+    for (int i = 0; i < 8; ++i) text[i] = char(uint64_t(header.size()) >> (8 * i));
+    text += header;
+    text.append(data_bytes, '\0');
+    return std::vector<uint8_t>(text.begin(), text.end());
   };
   cases.push_back({"entry.safetensors", raw(R"({"x":[1,2]})", 0), "tensor 'x': entry is not an object"});
   cases.push_back({"shape.safetensors", raw(R"({"x":{"dtype":"F32","shape":1,"data_offsets":[0,4]}})", 4),
