@@ -283,9 +283,30 @@ TEST_CASE("bad buffers are refused by name") {
     b.k_clip_ranks = nullptr;
     refused(b, "k_clip_rank and v_clip_rank must not be null", config);
   }
-  SUBCASE("arrays sized for another config") {
+  SUBCASE("arrays made for another config") {
     CacheConfig other = config;
     other.num_int2_pages += 1;
-    refused(good, "sized for another config", other);
+    refused(good, "made for another config", other);
+  }
+  SUBCASE("arrays of another shape with the same layer strides") {
+    // d = 64 with 2 KV heads and d = 128 with 1, both at group 32: the same INT2 and BF16
+    // layer strides, but R and the clip ranks are for d = 64 (a kernel would read 4x the
+    // rotation floats uploaded).
+    CacheConfig wide = config;
+    wide.head_dim = 128;
+    wide.num_kv_heads = 1;
+    wide.num_qo_heads = 3;
+    wide.quant_group_size = 32;
+    CacheConfig narrow = config;
+    narrow.quant_group_size = 32;
+    auto a = host::device_cache_arrays(narrow, quantizers(narrow, 9));
+    REQUIRE(a.ok());
+    REQUIRE(a->int2_stride_layer == wide.int2_pool_layer_bytes());
+    REQUIRE(a->bf16_stride_layer == wide.bf16_pool_layer_elements());
+    auto view = host::layered_kv_pools(wide, *a, good);
+    REQUIRE_FALSE(view.ok());
+    CHECK_MESSAGE(view.status().message().find("made for another config (2 layers, 2 KV heads, head_dim 64, group 32") !=
+                      std::string::npos,
+                  view.status().message());
   }
 }

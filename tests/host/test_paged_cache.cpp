@@ -441,3 +441,35 @@ TEST_CASE("device pools: a books-only cache (host_pools = false) plans what the 
   CHECK(books.decode(0, std::vector<RequestId>{ids[1]}, q.data(), out.data(), nullptr).code() ==
         StatusCode::kFailedPrecondition);
 }
+
+TEST_CASE("a write plan of another cache is refused, with or without host pools") {
+  // Two caches (a draft and a target model's, say), each with its first step open: cache B
+  // must not take cache A's plan, whose slots and pages index A's pools (B's are smaller).
+  for (const bool host_pools : {true, false}) {
+    CAPTURE(host_pools);
+    CacheConfig big = config_for(64, 1, 8, 0, 0), small = big;
+    big.num_int2_pages = 64;
+    big.num_bf16_pages = 64;
+    big.host_pools = host_pools;
+    small.num_int2_pages = 2;
+    small.num_bf16_pages = 2;
+    small.host_pools = host_pools;
+    PagedCache a = make_cache(big, false), b = make_cache(small, false);
+    const std::vector<RequestId> a_ids{*a.add_request()}, b_ids{*b.add_request()};
+    auto a_plan = a.plan_append(a_ids, std::vector<int32_t>{400});
+    auto b_plan = b.plan_append(b_ids, std::vector<int32_t>{1});
+    REQUIRE(a_plan.ok());
+    REQUIRE(b_plan.ok());
+    RowGenerator keys(1, 64), values(2, 64);
+    const KvRows kv = random_kv(keys, values, big, 400);
+    if (host_pools) {
+      CHECK(b.write(0, *a_plan, kv.k.data(), kv.v.data()).code() == StatusCode::kFailedPrecondition);
+    }
+    CHECK(b.finish(*a_plan).code() == StatusCode::kFailedPrecondition);
+    CHECK(b.cancel(*a_plan).code() == StatusCode::kFailedPrecondition);
+    // Each cache still takes its own plan.
+    if (host_pools) REQUIRE(b.write(0, *b_plan, kv.k.data(), kv.v.data()).ok());
+    CHECK(b.finish(*b_plan).ok());
+    CHECK(a.cancel(*a_plan).ok());
+  }
+}

@@ -1,6 +1,8 @@
 // Page-table views: token counts and every validation error.
 #include <doctest/doctest.h>
 
+#include <cstdint>
+
 #include <vector>
 
 #include "oscar/kv/page_table.hpp"
@@ -41,6 +43,13 @@ TEST_CASE("validation names the broken entry") {
   CHECK(validate(t, 5, "x").message().find("indptr[0]") != std::string::npos);
   indptr = {0, -1};
   CHECK(validate(t, 5, "x").message().find("decreases") != std::string::npos);
+  // indptr[2] - indptr[1] overflows int32 (INT32_MIN + 1 wraps to a positive count): the
+  // decrease must still be seen, and the indices loop must not be skipped by the negative end.
+  std::vector<int32_t> wrap_indptr{0, INT32_MAX, -2}, wrap_last{1, 1};
+  PageTableRef wrap{wrap_indptr.data(), nullptr, wrap_last.data(), 2, 16};
+  const Status w = validate(wrap, 5, "x");
+  CHECK(!w.ok());
+  CHECK(w.message().find("indptr decreases at request 1") != std::string::npos);
 
   PageTableRef null_table{nullptr, nullptr, nullptr, 1, 16};
   CHECK(validate(null_table, 5, "x").code() == StatusCode::kInvalidArgument);

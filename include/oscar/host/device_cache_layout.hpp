@@ -32,6 +32,10 @@ namespace oscar::host {
 // Sizes of the device pools and the host arrays to upload, for one CacheConfig and its
 // layers' quantizers.
 struct DeviceCacheArrays {
+  // The config's shape the arrays were made for: layered_kv_pools refuses arrays of another
+  // (two configs can share both layer strides, e.g. d = 64 with 2 KV heads and d = 128 with 1
+  // at group 32, while their rotations and clip ranks differ).
+  int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0, quant_group_size = 0, page_size = 0;
   int64_t int2_stride_layer = 0;  // bytes of one layer of an INT2 pool (LayeredKvPools' stride)
   int64_t bf16_stride_layer = 0;  // elements of one layer of a BF16 pool
   size_t int2_pool_bytes = 0;     // one INT2 pool (K or V), all layers
@@ -88,6 +92,11 @@ inline Result<DeviceCacheArrays> device_cache_arrays(const CacheConfig& config, 
   OSCAR_RETURN_IF_ERROR(validate_layer_quantizers(config, layers));
   const int32_t d = config.head_dim;
   DeviceCacheArrays a;
+  a.num_layers = config.num_layers;
+  a.num_kv_heads = config.num_kv_heads;
+  a.head_dim = config.head_dim;
+  a.quant_group_size = config.int2_layout().quant_group_size;
+  a.page_size = config.page_size;
   a.int2_stride_layer = config.int2_pool_layer_bytes();
   a.bf16_stride_layer = config.bf16_pool_layer_elements();
   a.int2_pool_bytes = size_t(a.int2_stride_layer) * size_t(config.num_layers);
@@ -119,10 +128,19 @@ inline Result<LayeredKvPools> layered_kv_pools(const CacheConfig& config, const 
   OSCAR_RETURN_IF_ERROR(rotation_pointer(arrays.v_rotations, b.v_rotations, "v_rotations"));
   const int32_t heads = config.num_kv_heads;
   const Int2Layout layout = config.int2_layout();
-  if (arrays.int2_stride_layer != config.int2_pool_layer_bytes() ||
+  const size_t rotation_floats = size_t(config.num_layers) * size_t(config.head_dim) * size_t(config.head_dim);
+  if (arrays.num_layers != config.num_layers || arrays.num_kv_heads != heads || arrays.head_dim != config.head_dim ||
+      arrays.quant_group_size != layout.quant_group_size || arrays.page_size != config.page_size ||
+      arrays.int2_stride_layer != config.int2_pool_layer_bytes() ||
       arrays.bf16_stride_layer != config.bf16_pool_layer_elements() ||
-      static_cast<int32_t>(arrays.k_clip_ranks.size()) != config.num_layers) {
-    return invalid_argument("device cache: the arrays were sized for another config");
+      static_cast<int32_t>(arrays.k_clip_ranks.size()) != config.num_layers ||
+      static_cast<int32_t>(arrays.v_clip_ranks.size()) != config.num_layers ||
+      (!arrays.k_rotations.empty() && arrays.k_rotations.size() != rotation_floats) ||
+      (!arrays.v_rotations.empty() && arrays.v_rotations.size() != rotation_floats)) {
+    return invalid_argument("device cache: the arrays were made for another config (" + std::to_string(arrays.num_layers) +
+                            " layers, " + std::to_string(arrays.num_kv_heads) + " KV heads, head_dim " +
+                            std::to_string(arrays.head_dim) + ", group " + std::to_string(arrays.quant_group_size) +
+                            ", page_size " + std::to_string(arrays.page_size) + ")");
   }
   LayeredKvPools p;
   p.k_int2 = Int2PoolRef::packed(b.k_int2, config.num_int2_pages, heads, layout);

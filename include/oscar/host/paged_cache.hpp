@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -370,7 +371,7 @@ class PagedCache {
     }
     open_step_.int2_pages = int2_snapshot;
     open_step_.bf16_pages = bf16_snapshot;
-    plan.id = ++last_plan_id_;
+    plan.id = next_plan_id();
     plan.layer_written.assign(config_.num_layers, false);
     open_plan_ = plan.id;
     return Result<WritePlan>(std::move(plan));
@@ -609,6 +610,13 @@ class PagedCache {
     }
     return Status::Ok();
   }
+  // Plan ids are unique in the process, not per cache: a plan made by another cache (a draft
+  // and a target model's, say) never matches this cache's open step, whose slots and pages it
+  // does not describe.
+  static uint64_t next_plan_id() {
+    static std::atomic<uint64_t> last{0};
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
   Status check_plan(const WritePlan& plan) const {
     if (plan.id == 0 || plan.id != open_plan_) {
       return failed_precondition("this write plan is not the open step of this cache");
@@ -747,7 +755,6 @@ class PagedCache {
   PageAllocator int2_pages_, bf16_pages_;
   std::vector<LayerPools> pools_;
   std::vector<Sequence> sequences_;
-  uint64_t last_plan_id_ = 0;
   uint64_t open_plan_ = 0;
   OpenStep open_step_;
 };

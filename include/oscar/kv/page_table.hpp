@@ -43,10 +43,10 @@ inline Status validate(const PageTableRef& table, int32_t num_pool_pages, const 
   }
   if (table.indptr[0] != 0) return invalid_argument(what + "indptr[0] must be 0");
   for (int32_t b = 0; b < table.batch_size; ++b) {
-    const int32_t pages = table.indptr[b + 1] - table.indptr[b];
-    if (pages < 0) {
+    if (table.indptr[b + 1] < table.indptr[b]) {  // compared, not subtracted: the difference can overflow
       return invalid_argument(what + "indptr decreases at request " + std::to_string(b));
     }
+    const int32_t pages = table.indptr[b + 1] - table.indptr[b];
     const int32_t last = table.last_page_len[b];
     if (pages == 0 ? last != 0 : (last < 1 || last > table.page_size)) {
       return invalid_argument(what + "last_page_len[" + std::to_string(b) + "] = " +
