@@ -200,3 +200,30 @@ TEST_CASE("misuse of the accumulators is refused with a message") {
   auto wrong = CalibrationAccumulator::create({2, 6, 2, 128});
   CHECK(acc->merge(*wrong).message().find("different models") != std::string::npos);
 }
+
+TEST_CASE("one frozen A_h per value pass: no re-freezing under existing sums, merge compares it either way") {
+  const testing::Activations x = testing::make_activations(kShape, 8, 5), y = testing::make_activations(kShape, 8, 9);
+  auto worker = [&](const testing::Activations& a) {
+    auto acc = CalibrationAccumulator::create(kShape);
+    REQUIRE(acc.ok());
+    for (int32_t l = 0; l < kShape.num_layers; ++l) REQUIRE(acc->add_chunk(l, a.q.data(), a.k.data(), a.v.data(), 8).ok());
+    return std::move(*acc);
+  };
+  CalibrationAccumulator a = worker(x), b = worker(y);
+  REQUIRE(a.begin_value_pass().ok());
+  REQUIRE(a.begin_value_pass().ok());  // the same A_h again: a no-op
+  REQUIRE(a.add_values_proxy(0, x.k.data(), x.v.data(), 8).ok());
+  // Another A_h under sums weighted with the first would mix two weightings in one sum.
+  CHECK(a.begin_value_pass(b).message().find("already holds value sums weighted with another frozen A_h") !=
+        std::string::npos);
+  CHECK(a.freeze_layer(1, b).ok());  // layer 1 holds no value sums yet
+  // b froze its own A_h but added no values: merging a's proxy sums would leave b's later
+  // values weighted differently from a's. Refused in either order.
+  CalibrationAccumulator c = worker(y);
+  REQUIRE(c.begin_value_pass().ok());
+  CalibrationAccumulator a0 = worker(x);
+  REQUIRE(a0.begin_value_pass().ok());
+  REQUIRE(a0.add_values_proxy(0, x.k.data(), x.v.data(), 8).ok());
+  CHECK(c.merge(a0).message().find("layer 0 used different frozen A_h") != std::string::npos);
+  CHECK(a0.merge(c).message().find("different frozen A_h") != std::string::npos);
+}

@@ -107,6 +107,12 @@ TEST_CASE("search_clip_ratio returns the curve's minimizer, quantizing each clip
   CHECK(c->ratio < 1.0f);
   CHECK(search_clip_ratio(*rows, 0, {}, j).status().message().find("empty") != std::string::npos);
   CHECK(search_clip_ratio(*rows, 0, {1.2f}, j).status().message().find("outside") != std::string::npos);
+  // Groups the quantizer lacks (48 would read past the row, 16 overrun the metadata).
+  CHECK(search_clip_ratio(*rows, 48, grid, j).status().message().find("quant_group_size 48") != std::string::npos);
+  CHECK(search_clip_ratio(*rows, 16, grid, j).status().message().find("not a supported shape") != std::string::npos);
+  // A non-finite objective (NaN compares false: the minimum would silently be grid[0]).
+  auto nan_j = [](const RowMatrixXd& e) { return e.squaredNorm() * std::nan(""); };
+  CHECK(search_clip_ratio(*rows, 0, grid, nan_j).status().message().find("not finite") != std::string::npos);
 }
 
 TEST_CASE("with one quantization group per row, P_br changes no objective; with groups it does") {

@@ -3,6 +3,8 @@
 // deterministic across thread counts, and bad inputs are refused.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "fit/fit_test_util.hpp"
@@ -141,4 +143,19 @@ TEST_CASE("fit_plan refuses inconsistent inputs with a message") {
   FitOptions p;
   CHECK(fit_plan(kShape, no_values, c.held, p).status().message().find("layer 1: no value statistics") !=
         std::string::npos);
+  // One NaN in the held-out rows, or in A_h (non-finite calibration queries): refused by name
+  // for every method, not a plan whose ratio is the grid's first (every objective NaN).
+  for (RotationMethod m : {RotationMethod::kOscar, RotationMethod::kHadamard}) {
+    CAPTURE(to_string(m));
+    FitOptions q;
+    q.method = m;
+    std::vector<HeldOutLayer> held = c.held;
+    held[2].v[77] = std::nanf("");
+    CHECK(fit_plan(kShape, c.stats, held, q).status().message().find("layer 2: the held-out k, v or value weights") !=
+          std::string::npos);
+    std::vector<LayerStatistics> stats = c.stats;
+    stats[1].a[0](3, 5) = std::numeric_limits<double>::infinity();
+    CHECK(fit_plan(kShape, stats, c.held, q).status().message().find("layer 1: A_h has a NaN or Inf entry") !=
+          std::string::npos);
+  }
 }

@@ -207,6 +207,12 @@ class CalibrationAccumulator {
     for (int32_t h = 0; h < shape_.num_kv_heads; ++h) {
       frozen.push_back(detail::symmetrized(s.qtq[h]) / (static_cast<double>(s.tokens) * shape_.group_size()));
     }
+    // Once values were weighted with the frozen A_h, another one would mix two weightings in
+    // one sum (the file would record only the last).
+    if (layers_[layer].value_tokens > 0 && value_pass_started(layer) && frozen != frozen_a_[layer]) {
+      return failed_precondition("freeze_layer: layer " + std::to_string(layer) +
+                                 " already holds value sums weighted with another frozen A_h");
+    }
     frozen_a_[layer] = std::move(frozen);
     return Status::Ok();
   }
@@ -266,10 +272,14 @@ class CalibrationAccumulator {
       return invalid_argument(std::string("merge: value weights differ (") + to_string(weighting_) + " vs " +
                               to_string(other.weighting_) + ")");
     }
-    if (weighting_ == ValueWeighting::kProxy && other.weighting_ == ValueWeighting::kProxy &&
-        frozen_a_ != other.frozen_a_) {
-      return invalid_argument("merge: the value passes used different frozen A_h; start every worker's "
-                              "value pass from the same merged accumulator");
+    // Where both sides froze a layer's A_h, they must agree, whether or not values were added
+    // yet: values added later on either side are weighted with it.
+    for (int32_t l = 0; l < shape_.num_layers; ++l) {
+      if (!frozen_a_[l].empty() && !other.frozen_a_[l].empty() && frozen_a_[l] != other.frozen_a_[l]) {
+        return invalid_argument("merge: the value passes of layer " + std::to_string(l) +
+                                " used different frozen A_h; start every worker's value pass from the same merged "
+                                "accumulator");
+      }
     }
     for (int32_t l = 0; l < shape_.num_layers; ++l) {
       LayerSums& a = layers_[l];

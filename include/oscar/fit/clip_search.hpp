@@ -191,6 +191,11 @@ Result<ClipChoice> search_clip_ratio(const RotatedRows& rows, int quant_group_si
     }
   }
   if (rows.tokens == 0) return invalid_argument("clip search: no held-out tokens");
+  if (!is_supported_head_dim(rows.head_dim) ||
+      (quant_group_size != 0 && !is_supported_quant_group(rows.head_dim, quant_group_size))) {
+    return invalid_argument("clip search: head_dim " + std::to_string(rows.head_dim) + " with quant_group_size " +
+                            std::to_string(quant_group_size) + " is not a supported shape");
+  }
   ClipChoice choice;
   std::vector<int> ranks;
   std::vector<double> values;
@@ -207,6 +212,11 @@ Result<ClipChoice> search_clip_ratio(const RotatedRows& rows, int quant_group_si
     }
     if (!found) {
       j = objective(quantization_residual(rows, quant_group_size, k));
+      // NaN compares false with everything: the minimum below would silently be grid[0].
+      if (!std::isfinite(j)) {
+        return invalid_argument("clip search: the objective at ratio " + std::to_string(rho) +
+                                " is not finite (NaN or Inf in the held-out rows or weights)");
+      }
       ranks.push_back(k);
       values.push_back(j);
     }

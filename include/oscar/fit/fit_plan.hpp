@@ -144,6 +144,20 @@ inline Result<std::pair<io::PlanLayer, LayerReport>> fit_layer(int32_t layer, co
   if (options.method == RotationMethod::kOscar && stats.c_v.size() == 0) {
     return failed_precondition(where + ": no value statistics (C_V); run the value pass before fitting");
   }
+  // A NaN or Inf in the activations makes every clip objective NaN, and the search would keep
+  // its first grid ratio without a word (the spectral methods refuse their target; A_h also
+  // weights the key objective of every method): refused here, by name.
+  for (const Eigen::MatrixXd& a : stats.a) {
+    if (!a.allFinite()) return invalid_argument(where + ": A_h has a NaN or Inf entry (non-finite calibration queries)");
+  }
+  if (held) {
+    const auto finite = [](const std::vector<float>& x) {
+      return std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); });
+    };
+    if (!finite(held->k) || !finite(held->v) || !finite(held->value_weights)) {
+      return invalid_argument(where + ": the held-out k, v or value weights have a NaN or Inf entry");
+    }
+  }
   auto kf = detail::fit_rotation(options.method, k_target, d, detail::mix_seed(options.seed, 2ull * layer),
                                  options.bit_reversal, where + " k_rotation");
   if (!kf.ok()) return kf.status();
