@@ -510,7 +510,12 @@ inline Result<LlamaConfig> llama_config_from_gguf(const GgufFile& f) {
   }
   if (f.find("llama.rope.scaling.type")) {
     auto v = f.get_string("llama.rope.scaling.type");
-    if (v.ok() && *v != "none") return unsupported(f.origin() + ": RoPE scaling '" + *v + "' is not supported");
+    if (!v.ok()) return data_loss(f.origin() + ": llama.rope.scaling.type is not a string");
+    if (*v != "none") return unsupported(f.origin() + ": RoPE scaling '" + *v + "' is not supported");
+  }
+  // Llama 3.1/3.2 scale RoPE's frequencies by this tensor; the forward here has no such scaling.
+  if (f.find_tensor("rope_freqs.weight")) {
+    return unsupported(f.origin() + ": RoPE frequency factors (rope_freqs.weight, Llama 3.1+) are not supported");
   }
   const GgufTensorInfo* embd = f.find_tensor("token_embd.weight");
   if (!embd) return data_loss(f.origin() + ": tensor 'token_embd.weight' is missing");
@@ -535,6 +540,13 @@ inline Result<LlamaWeights> load_llama(const GgufFile& f, bool unpermute = true)
   OSCAR_RETURN_IF_ERROR(detail::load_vector(f, "output_norm.weight", c.hidden, w.final_norm));
   if (f.find_tensor("output.weight")) {
     OSCAR_RETURN_IF_ERROR(detail::load_matrix(f, "output.weight", c.vocab_size, c.hidden, w.output));
+  }
+  // The file's last layer must exist before num_layers sizes anything (a corrupted
+  // block_count of 2^30 would otherwise allocate first).
+  if (!f.find_tensor("blk." + std::to_string(c.num_layers - 1) + ".attn_norm.weight") ||
+      f.find_tensor("blk." + std::to_string(c.num_layers) + ".attn_norm.weight")) {
+    return data_loss(f.origin() + ": llama.block_count " + std::to_string(c.num_layers) +
+                     " does not match the file's blk.N tensors");
   }
   w.layers.resize(static_cast<size_t>(c.num_layers));
   for (int32_t l = 0; l < c.num_layers; ++l) {

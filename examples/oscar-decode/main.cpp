@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -263,6 +264,9 @@ std::string parse_args(int argc, char** argv, Options& o) {
     if (value.empty() || *end != '\0' || errno != 0) return "flag " + arg + " needs an integer, got '" + value + "'";
     // -1 is the internal "not given" of these three; a user's negative value is an error.
     if (v < 0 && (arg == "--sink" || arg == "--recent" || arg == "--max-new-tokens")) return arg + " must be >= 0";
+    // Most of these become int32 fields (page size, window sizes, threads): a larger value
+    // would be cut to 32 bits and run as another.
+    if (v > INT32_MAX || v < INT32_MIN) return arg + " is out of range, got '" + value + "'";
     *ints[arg] = v;
   }
   if (o.mode.empty()) return "no mode given (generate, perplexity, calibrate, dump, share or fidelity)";
@@ -273,6 +277,11 @@ std::string parse_args(int argc, char** argv, Options& o) {
     return "--attention must be blocked or reference, got '" + o.attention + "'";
   }
   if (o.ctx == 0 || o.ctx < -1) return "--ctx must be positive";
+  // Caches are sized for --ctx up front: a bound that fails here, not in an allocation.
+  constexpr int64_t kMaxTokens = int64_t{1} << 24;
+  if (o.ctx > kMaxTokens || o.max_new_tokens > kMaxTokens) {
+    return "--ctx and --max-new-tokens must be at most " + std::to_string(kMaxTokens);
+  }
   if (o.calib_tokens <= 0 || o.held_out_tokens <= 0 || o.queries <= 0) {
     return "--calib-tokens, --held-out-tokens and --queries must be positive";
   }
@@ -692,6 +701,7 @@ int run_share(const Options& o, const Model& m, const Plans& plans) {
   const LlamaConfig& c = m.weights.config;
   const std::string second = o.prompt2.empty() ? o.prompt + " And what is the capital of Italy?" : o.prompt2;
   const std::vector<int32_t> a = encode_prompt(m, o.prompt, o.raw), b = encode_prompt(m, second, o.raw);
+  if (a.empty() || b.empty()) return usage_error("share: both prompts must encode to at least one token");
   size_t common = 0;
   while (common < a.size() && common < b.size() && a[common] == b[common]) ++common;
   // Both requests must have a token of their own to run after the fork.
@@ -812,7 +822,10 @@ int run_fidelity(const Options& o, const Model& m, const Plans& plans) {
   constexpr int64_t kNeedle = 16;
   std::vector<int32_t> needle_ids = *tokens;
   std::mt19937 rng(1234);
-  std::uniform_int_distribution<int32_t> pick(1000, c.vocab_size - 1000);
+  // Ids away from the special tokens at either end of the vocabulary where it has room (a
+  // vocabulary under 4000 tokens, TinyStories' 512, takes any id).
+  const int32_t margin = c.vocab_size > 4000 ? 1000 : 0;
+  std::uniform_int_distribution<int32_t> pick(margin, c.vocab_size - std::max(margin, 1));
   std::vector<int32_t> needle(kNeedle);
   for (auto& id : needle) id = pick(rng);
   const int64_t plant = std::max<int64_t>(geometry.sink_tokens + geometry.page_size, T / 4);

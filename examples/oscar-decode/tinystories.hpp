@@ -189,7 +189,13 @@ inline Result<Llama2cModel> load_llama2c(const std::string& path) {
   const int64_t inter = c.intermediate, V = c.vocab_size;
   const int64_t floats = V * h + L * h + L * h * h + 2 * L * kv * h + L * h * h + L * h +
                          3 * L * inter * h + h + (shared ? 0 : V * h);
-  OSCAR_RETURN_IF_ERROR(need(static_cast<size_t>(floats) * 4, "the weights"));
+  // Each header field is at most 2^20, so the count fits int64 (< 2^63) but 4x it need not fit
+  // size_t: compared by division.
+  OSCAR_RETURN_IF_ERROR(need(0, "the weights"));
+  if (floats < 0 || static_cast<uint64_t>(floats) > (bytes.size() - pos) / 4) {
+    return data_loss(path + ": the header's shape needs " + std::to_string(floats) + " weights; the file holds " +
+                     std::to_string((bytes.size() - pos) / 4) + " (truncated or corrupted)");
+  }
   const float* p = reinterpret_cast<const float*>(bytes.data() + pos);  // memcpy'd below
   std::vector<float> all(static_cast<size_t>(floats));
   std::memcpy(all.data(), p, all.size() * 4);

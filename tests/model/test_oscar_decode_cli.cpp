@@ -96,6 +96,17 @@ TEST_CASE("oscar-decode: bad flags, a missing plan and wrong plans give exit 2 a
   r = run("perplexity --text " + kText + " --ctx 8 --cache oscar --plan " + write_plan("kv1.safetensors", 30, 64, 9, 1));
   CHECK(r.code == 2);
   CHECK(r.err.find("num_kv_heads = 1, the model declares 3") != std::string::npos);
+  // Values that used to be cut to 32 bits (a page size of 2^32 + 16 ran as 16) or to size a
+  // cache past memory, and a share prompt that encodes to nothing.
+  r = run("perplexity --text " + kText + " --cache int4 --page-size 4294967312");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("--page-size is out of range") != std::string::npos);
+  r = run("generate --cache bf16 --ctx 20000000");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("--ctx and --max-new-tokens must be at most 16777216") != std::string::npos);
+  r = run("share --raw --prompt \"\" --prompt2 hello --cache int2-hadamard");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("both prompts must encode to at least one token") != std::string::npos);
 }
 
 TEST_CASE("oscar-decode: an @gpu cache runs on a GPU, or says that there is none") {

@@ -9,10 +9,13 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -156,6 +159,27 @@ TEST_CASE("SmolLM2: hyper-parameters from the GGUF") {
   CHECK(c.vocab_size == 49152);
   CHECK(c.rope_base == 100000.0f);
   CHECK(model().weights.output.size() == 0);  // tied to the embedding
+}
+
+TEST_CASE("SmolLM2: a block_count that disagrees with the blk.N tensors is refused before anything is sized") {
+  // The u32 after the key "llama.block_count" (its u64 length, the key, the u32 type id 4).
+  std::ifstream in(default_model_path(), std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string key = "llama.block_count";
+  const auto at = std::search(bytes.begin(), bytes.end(), key.begin(), key.end());
+  REQUIRE(at != bytes.end());
+  const size_t value = static_cast<size_t>(at - bytes.begin()) + key.size() + 4;
+  REQUIRE(bytes[value] == 30);
+  for (const uint32_t count : {29u, 31u, 1u << 30}) {
+    CAPTURE(count);
+    std::vector<uint8_t> patched = bytes;
+    std::memcpy(patched.data() + value, &count, 4);
+    auto file = GgufFile::parse(std::move(patched), "patched.gguf");
+    REQUIRE(file.ok());
+    const auto weights = load_llama(*file);
+    CHECK(weights.status().message().find("llama.block_count " + std::to_string(count) +
+                                          " does not match the file's blk.N tensors") != std::string::npos);
+  }
 }
 
 TEST_CASE("SmolLM2 tokenizer: chat template ids and known encodings") {

@@ -3,6 +3,7 @@
 // trips). The llama2.c tokenizer of the TinyStories model is checked in test_tinystories.cpp.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <random>
@@ -128,4 +129,66 @@ TEST_CASE("a GGUF without a usable tokenizer is refused with the reason") {
   auto f2 = GgufFile::parse(w2.build(), "empty.gguf");
   REQUIRE(f2.ok());
   CHECK(BpeTokenizer::from_gguf(*f2).status().message().find("tokenizer.ggml.tokens is missing") != std::string::npos);
+}
+
+TEST_CASE("BPE merges: lowest rank first, leftmost among equal ranks, on long pieces, as a rescan of every pair") {
+  // Chained and overlapping merges over three letters; a piece of letters is one
+  // pre-token, so its merges are the whole encoding. The tokenizer's heap of candidate pairs
+  // must pick exactly what rescanning every pair after every merge picks.
+  const std::vector<std::string> merges{"a a", "b b", "a b", "aa a", "ab c", "c a", "aa aa", "bb a", "ca b", "aaa aa"};
+  std::vector<std::string> tokens = byte_tokens();
+  std::vector<int32_t> types(tokens.size(), 1);
+  for (const std::string& m : merges) {
+    tokens.push_back(m.substr(0, m.find(' ')) + m.substr(m.find(' ') + 1));
+    types.push_back(1);
+  }
+  GgufWriter w;
+  w.add_string("tokenizer.ggml.model", "gpt2");
+  w.add_string_array("tokenizer.ggml.tokens", tokens);
+  w.add_i32_array("tokenizer.ggml.token_type", types);
+  w.add_string_array("tokenizer.ggml.merges", merges);
+  auto f = GgufFile::parse(w.build(), "merges.gguf");
+  REQUIRE(f.ok());
+  auto tok = BpeTokenizer::from_gguf(*f);
+  REQUIRE(tok.ok());
+  const auto rescan = [&](const std::string& text) {
+    std::vector<std::string> symbols;
+    for (char ch : text) symbols.emplace_back(1, ch);
+    for (;;) {
+      size_t best = symbols.size(), best_rank = merges.size();
+      for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+        const auto it = std::find(merges.begin(), merges.end(), symbols[i] + " " + symbols[i + 1]);
+        const size_t rank = static_cast<size_t>(it - merges.begin());
+        if (rank < best_rank) best_rank = rank, best = i;
+      }
+      if (best == symbols.size()) break;
+      symbols[best] += symbols[best + 1];
+      symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+    }
+    std::vector<int32_t> ids;
+    for (const std::string& s : symbols) ids.push_back(tok->find(s));
+    return ids;
+  };
+  std::mt19937 rng(17);
+  for (int length : {1, 2, 3, 7, 64, 257, 2000}) {
+    for (int trial = 0; trial < (length < 100 ? 20 : 3); ++trial) {
+      std::string text;
+      for (int i = 0; i < length; ++i) text.push_back("aabc"[rng() % 4]);
+      CAPTURE(text);
+      CHECK(tok->encode(text) == rescan(text));
+    }
+  }
+  CHECK(tok->encode(std::string(3000, 'a')) == rescan(std::string(3000, 'a')));
+}
+
+TEST_CASE("a pre-tokenizer other than smollm is refused, not applied wrongly") {
+  GgufWriter w;
+  w.add_string("tokenizer.ggml.model", "gpt2");
+  w.add_string("tokenizer.ggml.pre", "llama-bpe");
+  w.add_string_array("tokenizer.ggml.tokens", byte_tokens());
+  w.add_string_array("tokenizer.ggml.merges", {});
+  auto f = GgufFile::parse(w.build(), "llama3.gguf");
+  REQUIRE(f.ok());
+  CHECK(BpeTokenizer::from_gguf(*f).status().message().find("pre-tokenizer 'llama-bpe' is not supported") !=
+        std::string::npos);
 }
