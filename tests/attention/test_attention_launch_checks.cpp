@@ -10,9 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "common/status_names.hpp"
 #include "oscar/attention/attention_launch_checks.hpp"
 
 using namespace oscar;
+using oscar::testing::names;
 
 namespace {
 
@@ -60,15 +62,6 @@ Launch decode_launch() {
   l.workspace_bytes = l.plan.workspace_bytes();
   l.workspace = a + 32768;
   return l;
-}
-
-bool names(const Status& s, const std::string& text) {
-  if (s.ok()) return false;
-  if (s.message().find(text) == std::string::npos) {
-    MESSAGE("message: " << s.message());
-    return false;
-  }
-  return true;
 }
 
 }  // namespace

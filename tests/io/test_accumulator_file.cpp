@@ -92,6 +92,34 @@ fit::CalibrationAccumulator proxy_worker(uint64_t seed, const fit::CalibrationAc
   for (int32_t l = 0; l < kShape.num_layers; ++l) REQUIRE(acc->add_values_proxy(l, a.k.data(), a.v.data(), a.tokens).ok());
   return std::move(*acc);
 }
+
+// The documented checksum recipe (docs/fitting.md), from the file's own metadata and bytes:
+// "key=value\n" for format, format_version, num_layers, num_qo_heads, num_kv_heads, head_dim,
+// value_weighting, then the bytes of the tensors `order` in that order (every tensor once).
+std::string documented_crc(const SafetensorsFile& file, const std::vector<std::string>& order) {
+  uint32_t crc = 0;
+  for (const char* key : {"format", "format_version", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
+                          "value_weighting"}) {
+    crc = crc32(std::string(key) + "=" + file.metadata().at(key) + "\n", crc);
+  }
+  CHECK(order.size() == file.tensors().size());
+  for (const std::string& name : order) {
+    const TensorInfo* info = file.find(name);
+    REQUIRE(info != nullptr);
+    crc = crc32(*file.read_bytes(*info), crc);
+  }
+  return detail::crc32_hex(crc);
+}
+
+// layers.0.qtq, .ktk, .vtv, .wvtv, .wsum, layers.1.qtq, ..., tokens, value_tokens.
+std::vector<std::string> sums_order() {
+  std::vector<std::string> order;
+  for (int l = 0; l < kShape.num_layers; ++l) {
+    for (const char* part : {"qtq", "ktk", "vtv", "wvtv", "wsum"}) order.push_back("layers." + std::to_string(l) + "." + part);
+  }
+  order.insert(order.end(), {"tokens", "value_tokens"});
+  return order;
+}
 }  // namespace
 
 TEST_CASE("accumulators round-trip exactly, in memory and through an atomic save") {
@@ -166,23 +194,7 @@ TEST_CASE("the checksum is the documented recipe, recomputed from the file's own
   const std::vector<uint8_t> good = *serialize_accumulators(make_accumulator());
   auto file = SafetensorsFile::parse(good);
   REQUIRE(file.ok());
-  uint32_t crc = 0;
-  for (const char* key : {"format", "format_version", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
-                          "value_weighting"}) {
-    crc = crc32(std::string(key) + "=" + file->metadata().at(key) + "\n", crc);
-  }
-  std::vector<std::string> order;
-  for (int l = 0; l < kShape.num_layers; ++l) {
-    for (const char* part : {"qtq", "ktk", "vtv", "wvtv", "wsum"}) order.push_back("layers." + std::to_string(l) + "." + part);
-  }
-  order.insert(order.end(), {"tokens", "value_tokens"});
-  CHECK(order.size() == file->tensors().size());
-  for (const std::string& name : order) {
-    const TensorInfo* info = file->find(name);
-    REQUIRE(info != nullptr);
-    crc = crc32(*file->read_bytes(*info), crc);
-  }
-  CHECK(file->metadata().at(kAccumulatorChecksumKey) == detail::crc32_hex(crc));
+  CHECK(file->metadata().at(kAccumulatorChecksumKey) == documented_crc(*file, sums_order()));
 }
 
 TEST_CASE("structure errors: extra tensors, and sizes the file does not hold, refused before any allocation") {
@@ -294,19 +306,9 @@ TEST_CASE("the frozen A_h come last in the checksum, in layer order; version 1 f
   CHECK(file->metadata().at("format_version") == "2");
   CHECK(file->find("layers.0.frozen_a") == nullptr);
   REQUIRE(file->find("layers.1.frozen_a") != nullptr);
-  uint32_t crc = 0;
-  for (const char* key : {"format", "format_version", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
-                          "value_weighting"}) {
-    crc = crc32(std::string(key) + "=" + file->metadata().at(key) + "\n", crc);
-  }
-  std::vector<std::string> order;
-  for (int l = 0; l < kShape.num_layers; ++l) {
-    for (const char* part : {"qtq", "ktk", "vtv", "wvtv", "wsum"}) order.push_back("layers." + std::to_string(l) + "." + part);
-  }
-  order.insert(order.end(), {"tokens", "value_tokens", "layers.1.frozen_a"});
-  CHECK(order.size() == file->tensors().size());
-  for (const std::string& name : order) crc = crc32(*file->read_bytes(*file->find(name)), crc);
-  CHECK(file->metadata().at(kAccumulatorChecksumKey) == detail::crc32_hex(crc));
+  std::vector<std::string> order = sums_order();
+  order.push_back("layers.1.frozen_a");  // after the sums and counts
+  CHECK(file->metadata().at(kAccumulatorChecksumKey) == documented_crc(*file, order));
   auto back = parse(good);
   REQUIRE_MESSAGE(back.ok(), back.status().to_string());
   CHECK(!back->value_pass_started(0));

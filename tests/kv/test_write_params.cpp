@@ -7,9 +7,11 @@
 #include <cstdint>
 #include <string>
 
+#include "common/status_names.hpp"
 #include "oscar/kv/write_params.hpp"
 
 using namespace oscar;
+using oscar::testing::names;
 
 namespace {
 
@@ -48,15 +50,6 @@ AppendParams append_params() {
   p.in_stride_layer = p.in_stride_token * p.num_tokens;
   p.slots = reinterpret_cast<const TokenSlot*>(arena() + 3072);
   return p;
-}
-
-bool names(const Status& s, const std::string& text) {
-  if (s.ok()) return false;
-  if (s.message().find(text) == std::string::npos) {
-    MESSAGE("message: " << s.message());
-    return false;
-  }
-  return true;
 }
 
 }  // namespace
