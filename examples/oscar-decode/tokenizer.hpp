@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
-#include <limits>
 #include <string>
 #include <string_view>
 #include <unordered_map>

@@ -111,22 +111,19 @@ inline std::vector<AccumulatorTensor> accumulator_tensors(const fit::ModelShape&
   return tensors;
 }
 
-// Matrices as the file's row-major values, one after another.
+// Matrices as the file's row-major values, one after another, and matrix `index` of such values.
+using RowMajorMatrixXd = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 inline std::vector<double> matrices_values(const std::vector<Eigen::MatrixXd>& matrices) {
   std::vector<double> out;
   for (const Eigen::MatrixXd& m : matrices) {
-    for (int64_t i = 0; i < m.rows(); ++i) {
-      for (int64_t j = 0; j < m.cols(); ++j) out.push_back(m(i, j));
-    }
+    const size_t at = out.size();
+    out.resize(at + size_t(m.size()));
+    Eigen::Map<RowMajorMatrixXd>(out.data() + at, m.rows(), m.cols()) = m;
   }
   return out;
 }
 inline Eigen::MatrixXd matrix_of(const std::vector<double>& values, int64_t index, int64_t d) {
-  Eigen::MatrixXd m(d, d);
-  for (int64_t i = 0; i < d; ++i) {
-    for (int64_t j = 0; j < d; ++j) m(i, j) = values[(index * d + i) * d + j];
-  }
-  return m;
+  return Eigen::Map<const RowMajorMatrixXd>(values.data() + index * d * d, d, d);
 }
 
 // A part of one layer's sums as the file's row-major values (symmetric matrices stored whole).
