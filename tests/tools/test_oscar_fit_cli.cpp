@@ -90,6 +90,9 @@ TEST_CASE("oscar-fit: calibration file to plan, accumulators to plan, and every 
   CAPTURE(from_acc.err);
   CHECK(from_acc.code == 0);
   CHECK(io::load_plan(plan)->layers[1].k_clip_ratio == 0.96f);
+  CHECK(run("--accumulators " + acc + " --output " + plan + " --clip fixed --k-clip 0.9 --v-clip 0.8 --quiet").code == 0);
+  CHECK(io::load_plan(plan)->layers[0].k_clip_ratio == 0.9f);
+  CHECK(io::load_plan(plan)->layers[0].v_clip_ratio == 0.8f);
   CHECK(run("--accumulators " + acc + " --held-out " + calib + " --output " + plan + " --value-weights mass").code == 0);
   CHECK(run("--calibration " + calib + " --output " + plan + " --value-weights mass --clip-grid 1,0.95,0.9").code == 0);
 
@@ -110,6 +113,13 @@ TEST_CASE("oscar-fit: calibration file to plan, accumulators to plan, and every 
       {"--calibration " + calib + " --output " + plan + " --held-out-fraction 1.5", "[0, 1)"},
       {"--calibration " + calib + " --output " + plan + " --quant-group-size 48", "--quant-group-size: 48 is not supported"},
       {"--accumulators " + acc + " --output " + plan, "needs held-out tokens"},
+      // Flags that cannot apply to the rest of the command line are refused, not ignored.
+      {"--calibration " + calib + " --output " + plan + " --k-clip 0.9", "--k-clip sets a fixed ratio"},
+      {"--calibration " + calib + " --output " + plan + " --clip fitted --v-clip 0.9", "--v-clip sets a fixed ratio"},
+      {"--calibration " + calib + " --output " + plan + " --clip fixed --clip-grid 1,0.9", "--clip-grid is searched"},
+      {"--accumulators " + acc + " --output " + plan + " --clip fixed --skip-tokens 4", "--skip-tokens goes with"},
+      {"--accumulators " + acc + " --output " + plan + " --clip fixed --chunk-tokens 64", "--chunk-tokens goes with"},
+      {"--accumulators " + acc + " --output " + plan + " --clip fixed --held-out-fraction 0.2", "--held-out-fraction goes"},
       {"--calibration " + garbage + " --output " + plan, "garbage"},
       {"--calibration " + (kDir / "missing").string() + " --output " + plan, "cannot open"},
       {"--accumulators " + calib + " --output " + plan + " --clip fixed", "not oscar accumulators"},

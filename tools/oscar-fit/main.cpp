@@ -10,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -127,8 +128,10 @@ std::vector<float> parse_grid(const std::string& s) {
 
 Args parse_args(int argc, char** argv) {
   Args a;
+  std::set<std::string> given;  // the flags on the command line: one that cannot apply is refused, not ignored
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    given.insert(flag);
     auto value = [&]() -> std::string {
       if (i + 1 >= argc) fail(flag + " needs a value (see --help)");
       return argv[++i];
@@ -204,6 +207,18 @@ Args parse_args(int argc, char** argv) {
   if (!a.save_accumulators.empty() && a.calibration.empty()) fail("--save-accumulators goes with --calibration");
   if (a.fit.fit_clip && !a.accumulators.empty() && a.held_out.empty()) {
     fail("--clip fitted needs held-out tokens: give --held-out FILE, or use --clip fixed");
+  }
+  for (const char* flag : {"--k-clip", "--v-clip"}) {
+    if (a.fit.fit_clip && given.contains(flag)) {
+      fail(std::string(flag) + " sets a fixed ratio: it goes with --clip fixed (--clip fitted searches --clip-grid)");
+    }
+  }
+  if (!a.fit.fit_clip && given.contains("--clip-grid")) fail("--clip-grid is searched by --clip fitted, not --clip fixed");
+  if (!a.accumulators.empty()) {
+    // The accumulators' tokens are already summed: these choose which calibration tokens to sum.
+    for (const char* flag : {"--held-out-fraction", "--skip-tokens", "--chunk-tokens"}) {
+      if (given.contains(flag)) fail(std::string(flag) + " goes with --calibration, not --accumulators");
+    }
   }
   return a;
 }
