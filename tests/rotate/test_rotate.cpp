@@ -1,6 +1,7 @@
 // Dense and Hadamard rotations against float64 matrix products.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -38,13 +39,25 @@ TEST_CASE("hadamard_transform equals the normalized Sylvester matrix and is an i
     std::vector<float> x(d);
     for (float& v : x) v = normal(rng);
     std::vector<float> y = x;
-    hadamard_transform(y.data(), d);
+    CHECK(hadamard_transform(y.data(), d));
     const auto expected = oscar::testing::naive_rotate(std::vector<double>(x.begin(), x.end()), h, d);
     for (int j = 0; j < d; ++j) CHECK(std::abs(y[j] - expected[j]) <= 1e-5);
     hadamard_transform(y.data(), d);
     for (int i = 0; i < d; ++i) CHECK(std::abs(y[i] - x[i]) <= 1e-5);
     for (int i = 0; i < d; ++i)
       for (int j = 0; j < d; ++j) CHECK(hadamard_entry(i, j, d) == doctest::Approx(h[i * d + j]).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("hadamard_transform refuses a length that is not a power of two and leaves the row as it was") {
+  for (int n : {0, -4, 3, 96, 100}) {
+    CAPTURE(n);
+    // n + 8 values, so that a transform stepping past x[n - 1] would show in the guard.
+    std::vector<float> x(static_cast<size_t>(std::max(n, 0)) + 8);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i) + 0.5f;
+    const std::vector<float> before = x;
+    CHECK_FALSE(hadamard_transform(x.data(), n));
+    CHECK(x == before);
   }
 }
 

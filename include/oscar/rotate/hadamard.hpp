@@ -10,8 +10,10 @@
 
 namespace oscar {
 
-// In place; n must be a power of two.
-OSCAR_HOST_DEVICE void hadamard_transform(float* x, int n) {
+// In place. Returns false, and leaves x as it was, where n is not a positive power of two
+// (the butterflies would step past x[n - 1]).
+OSCAR_HOST_DEVICE bool hadamard_transform(float* x, int n) {
+  if (n <= 0 || (n & (n - 1)) != 0) return false;
   for (int half = 1; half < n; half *= 2) {
     for (int block = 0; block < n; block += 2 * half) {
       for (int i = block; i < block + half; ++i) {
@@ -24,6 +26,7 @@ OSCAR_HOST_DEVICE void hadamard_transform(float* x, int n) {
   }
   const float norm = 1.0f / sqrtf(static_cast<float>(n));
   for (int i = 0; i < n; ++i) x[i] *= norm;
+  return true;
 }
 
 // Entry (i, j) of the normalized matrix, for building dense rotations (U·H) on the host.
