@@ -158,4 +158,16 @@ TEST_CASE("fit_plan refuses inconsistent inputs with a message") {
     CHECK(fit_plan(kShape, stats, c.held, q).status().message().find("layer 1: A_h has a NaN or Inf entry") !=
           std::string::npos);
   }
+  // A zero target (a layer no calibration token reached) has no eigenvectors to speak of: the
+  // spectral methods refuse it by layer and tensor; a data-oblivious rotation does not need it.
+  std::vector<LayerStatistics> zero = c.stats;
+  zero[2].c_k.setZero();
+  FitOptions spectral;
+  CHECK(fit_plan(kShape, zero, c.held, spectral).status().message().find("layer 2 k_rotation: spectral_rotation: target is zero") !=
+        std::string::npos);
+  zero[2].c_k = c.stats[2].c_k;
+  zero[0].v_moment.setZero();
+  spectral.method = RotationMethod::kKtk;
+  CHECK(fit_plan(kShape, zero, c.held, spectral).status().message().find("layer 0 v_rotation: spectral_rotation: target is zero") !=
+        std::string::npos);
 }

@@ -90,6 +90,11 @@ inline Result<SpectralRotation> spectral_rotation(const Eigen::MatrixXd& target,
                             std::to_string(target.rows()) + "x" + std::to_string(target.cols()));
   }
   if (!target.allFinite()) return invalid_argument("spectral_rotation: target has NaN or Inf entries");
+  // A second moment without a positive diagonal entry is zero (no calibration tokens reached
+  // it, or every activation was 0): every basis diagonalizes it, so its eigenvectors say nothing.
+  if (!(target.diagonal().maxCoeff() > 0.0)) {
+    return invalid_argument("spectral_rotation: target is zero (no calibration tokens, or all-zero activations)");
+  }
   Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(target);
   if (solver.info() != Eigen::Success) return invalid_argument("spectral_rotation: eigen-decomposition failed");
   SpectralRotation out;
