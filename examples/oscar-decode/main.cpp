@@ -208,8 +208,31 @@ std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
+// The flags each mode reads. A flag the mode does not read is refused rather than ignored:
+// `fidelity --cache int4` or `perplexity --methods ...` would otherwise run something other
+// than what was asked for. --model, --threads and --no-progress apply to every mode.
+const std::map<std::string, std::set<std::string>>& mode_flags() {
+  static const std::set<std::string> cache = {"--cache", "--plan", "--sink", "--recent", "--page-size",
+                                              "--attention", "--attention-block"};
+  static const std::map<std::string, std::set<std::string>> flags = [] {
+    std::map<std::string, std::set<std::string>> f = {
+        {"generate", {"--ctx", "--prompt", "--raw", "--max-new-tokens"}},
+        {"perplexity", {"--ctx", "--text", "--chunk"}},
+        {"share", {"--ctx", "--prompt", "--prompt2", "--raw", "--max-new-tokens"}},
+        {"calibrate", {"--text", "--out", "--ctx", "--calib-tokens", "--held-out-tokens", "--sink", "--recent"}},
+        {"dump", {"--text", "--out", "--ctx", "--layers"}},
+        {"fidelity", {"--text", "--plan", "--ctx", "--methods", "--queries", "--sink", "--recent", "--page-size"}},
+    };
+    for (const char* mode : {"generate", "perplexity", "share"}) f[mode].insert(cache.begin(), cache.end());
+    for (auto& [mode, set] : f) set.insert({"--model", "--threads", "--no-progress"});
+    return f;
+  }();
+  return flags;
+}
+
 // Parses the command line; returns an error message or "".
 std::string parse_args(int argc, char** argv, Options& o) {
+  std::vector<std::string> given;  // the flags on the command line, in order
   std::map<std::string, std::string*> strings = {
       {"--model", &o.model}, {"--cache", &o.cache},   {"--plan", &o.plan},       {"--text", &o.text},
       {"--out", &o.out},     {"--layers", &o.layers}, {"--methods", &o.methods}, {"--prompt", &o.prompt},
@@ -231,8 +254,8 @@ std::string parse_args(int argc, char** argv, Options& o) {
       o.mode = "help";
       return "";
     }
-    if (arg == "--raw") { o.raw = true; continue; }
-    if (arg == "--no-progress") { o.progress = false; continue; }
+    if (arg == "--raw") { o.raw = true; given.push_back(arg); continue; }
+    if (arg == "--no-progress") { o.progress = false; given.push_back(arg); continue; }
     if (arg.rfind("--", 0) != 0) {
       if (!o.mode.empty()) return "unexpected argument '" + arg + "' (the mode is already '" + o.mode + "')";
       if (std::find(kModes.begin(), kModes.end(), arg) == kModes.end()) {
@@ -250,6 +273,7 @@ std::string parse_args(int argc, char** argv, Options& o) {
     }
     const bool known = strings.count(arg) || ints.count(arg);
     if (!known) return "unknown flag '" + arg + "'";
+    given.push_back(arg);
     if (!has_value) {
       if (i + 1 >= argc) return "flag " + arg + " needs a value";
       value = argv[++i];
@@ -270,6 +294,12 @@ std::string parse_args(int argc, char** argv, Options& o) {
     *ints[arg] = v;
   }
   if (o.mode.empty()) return "no mode given (generate, perplexity, calibrate, dump, share or fidelity)";
+  for (const std::string& flag : given) {
+    if (!mode_flags().at(o.mode).contains(flag)) return flag + " is not used by " + o.mode + " (see --help)";
+  }
+  if (!oscar::is_supported_page_size(static_cast<int>(o.page_size))) {
+    return "--page-size " + std::to_string(o.page_size) + " is not supported (8, 16, 32, 64, 128 or 256)";
+  }
   if (o.chunk <= 0) return "--chunk must be positive";
   if (o.threads <= 0) return "--threads must be positive";
   if (o.attention_block <= 0 || o.attention_block > (1 << 20)) return "--attention-block must be in 1..1048576";

@@ -107,6 +107,24 @@ TEST_CASE("oscar-decode: bad flags, a missing plan and wrong plans give exit 2 a
   r = run("share --raw --prompt \"\" --prompt2 hello --cache int2-hadamard");
   CHECK(r.code == 2);
   CHECK(r.err.find("both prompts must encode to at least one token") != std::string::npos);
+  // A flag the mode does not read is refused, not ignored (fidelity takes --methods, not
+  // --cache; perplexity the reverse), and an unsupported page size is named as such before
+  // any cache (the hidden bf16 reference's included) is built.
+  r = run("fidelity --text " + kText + " --cache int4");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("--cache is not used by fidelity") != std::string::npos);
+  r = run("perplexity --text " + kText + " --methods int4");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("--methods is not used by perplexity") != std::string::npos);
+  r = run("generate --chunk 4");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("--chunk is not used by generate") != std::string::npos);
+  r = run("dump --text " + kText + " --out " + path("x.safetensors") + " --sink 4");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("--sink is not used by dump") != std::string::npos);
+  r = run("perplexity --text " + kText + " --cache int4 --page-size 7");
+  CHECK(r.code == 2);
+  CHECK(r.err.find("--page-size 7 is not supported") != std::string::npos);
 }
 
 TEST_CASE("oscar-decode: an @gpu cache runs on a GPU, or says that there is none") {
