@@ -362,6 +362,32 @@ TEST_CASE("several layers keep their own rotations and pools") {
   CHECK(read_cache(cache, 0, *id)[0].keys != read_cache(cache, 1, *id)[0].keys);
 }
 
+TEST_CASE("accessors given a layer or page outside the cache return refusable null pools, not memory past it") {
+  CacheConfig config = config_for(64, 3, 16, 8, 16);
+  config.num_layers = 2;
+  PagedCache cache = make_cache(config, true, 78);
+  RowGenerator keys(29, 64), values(30, 64);
+  auto id = cache.add_request();
+  REQUIRE(id.ok());
+  append_in_chunks(cache, *id, 40, {40}, keys, values);
+  const RequestId ids[] = {*id};
+  auto tables = cache.page_tables(ids);
+  REQUIRE(tables.ok());
+  CHECK(validate(cache.view(1, *tables)).ok());
+  for (int32_t layer : {-1, 2, 1 << 30}) {
+    CAPTURE(layer);
+    CHECK(cache.int2_pool(layer, PagedCache::Tensor::kKeys).data == nullptr);
+    CHECK(cache.bf16_pool(layer, PagedCache::Tensor::kValues).data == nullptr);
+    const Status s = validate(cache.view(layer, *tables));
+    CHECK(s.message().find("must not be null") != std::string::npos);
+  }
+  CHECK(cache.bf16_ref_count(0) == 1);  // the sink page of the one request
+  for (int32_t page : {-1, config.num_int2_pages, 1 << 30}) {
+    CHECK(cache.int2_ref_count(page) == -1);
+  }
+  CHECK(cache.bf16_ref_count(config.num_bf16_pages) == -1);
+}
+
 TEST_CASE("device pools: a books-only cache (host_pools = false) plans what the full cache plans") {
   CacheConfig config = config_for(64, 3, 16, 24, 40);
   config.num_layers = 2;

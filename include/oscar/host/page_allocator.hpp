@@ -22,6 +22,10 @@ class PageAllocator {
   int32_t num_free() const { return static_cast<int32_t>(free_.size()); }
   int32_t num_used() const { return capacity() - num_free(); }
   int32_t ref_count(int32_t page) const { return ref_counts_[page]; }
+  // The same, or `outside` for a page that is not in the pool.
+  int32_t ref_count_or(int32_t page, int32_t outside) const {
+    return page >= 0 && page < capacity() ? ref_counts_[page] : outside;
+  }
 
   // A page with one reference, or kResourceExhausted naming the pool.
   Result<int32_t> allocate(const char* pool_name) {

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -227,7 +228,11 @@ class PagedCache {
 
   const CacheConfig& config() const { return config_; }
   const Int2Layout& int2_layout() const { return layout_; }
-  const LayerQuantizer& layer_quantizer(int32_t layer) const { return layers_[layer]; }
+  // layer in 0..num_layers-1 (checked in debug builds; the Status paths check it always).
+  const LayerQuantizer& layer_quantizer(int32_t layer) const {
+    assert(check_layer(layer).ok());
+    return layers_[layer];
+  }
   std::span<const LayerQuantizer> layer_quantizers() const { return layers_; }
 
   // ---- requests -------------------------------------------------------------------------
@@ -508,8 +513,10 @@ class PagedCache {
     return Result<BatchTables>(std::move(tables));
   }
 
+  // A layer outside 0..num_layers-1 gives a view (and int2_pool / bf16_pool give pools) with
+  // null data, which validate() and every attention path and launcher refuse by name.
   PagedKvRef view(int32_t layer, const BatchTables& tables) const {
-    const LayerPools& pools = pools_[layer];
+    const LayerPools& pools = pools_of(layer);
     return {bf16_ref(pools.k_bf16),
             bf16_ref(pools.v_bf16),
             int2_ref(pools.k_int2),
@@ -549,16 +556,17 @@ class PagedCache {
     for (int32_t p = 0; p < bf16_pages_.capacity(); ++p) usage.bf16_pages_shared += bf16_pages_.ref_count(p) > 1;
     return usage;
   }
-  int32_t int2_ref_count(int32_t page) const { return int2_pages_.ref_count(page); }
-  int32_t bf16_ref_count(int32_t page) const { return bf16_pages_.ref_count(page); }
+  // Requests holding the page (0: free), or -1 for a page outside the pool.
+  int32_t int2_ref_count(int32_t page) const { return int2_pages_.ref_count_or(page, -1); }
+  int32_t bf16_ref_count(int32_t page) const { return bf16_pages_.ref_count_or(page, -1); }
 
   enum class Tensor { kKeys, kValues };
   Int2PoolRef int2_pool(int32_t layer, Tensor which) const {
-    const LayerPools& pools = pools_[layer];
+    const LayerPools& pools = pools_of(layer);
     return int2_ref(which == Tensor::kKeys ? pools.k_int2 : pools.v_int2);
   }
   Bf16PoolRef bf16_pool(int32_t layer, Tensor which) const {
-    const LayerPools& pools = pools_[layer];
+    const LayerPools& pools = pools_of(layer);
     return bf16_ref(which == Tensor::kKeys ? pools.k_bf16 : pools.v_bf16);
   }
 
@@ -602,6 +610,11 @@ class PagedCache {
       return out_of_range("request " + std::to_string(id) + " does not exist");
     }
     return Status::Ok();
+  }
+  // The layer's pools, or unallocated ones (null data) for a layer outside the cache.
+  const LayerPools& pools_of(int32_t layer) const {
+    static const LayerPools kNone{};
+    return check_layer(layer).ok() ? pools_[layer] : kNone;
   }
   Status check_layer(int32_t layer) const {
     if (layer < 0 || layer >= config_.num_layers) {
