@@ -47,6 +47,7 @@
 #include "oscar/attention/extend_attention.cuh"
 #include "oscar/attention/paged_attention_params.hpp"
 #include "oscar/core/cuda_status.hpp"
+#include "oscar/core/kernel_attributes.cuh"
 #include "oscar/core/status.hpp"
 #include "oscar/kv/paged_kv.hpp"
 
@@ -1200,9 +1201,7 @@ inline Status launch_plan(const AttentionPlan& plan, const PagedAttentionParams&
         if (rotated) {
           const unsigned blocks = static_cast<unsigned>((rows + kRotateRows - 1) / kRotateRows);
           const size_t rotate_smem = RotateLayout<D>::bytes;
-          OSCAR_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(rotate_queries_kernel<D>,
-                                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                                 int(rotate_smem)),
+          OSCAR_RETURN_IF_ERROR(cuda_status(opt_in_dynamic_shared_memory(rotate_queries_kernel<D>, int(rotate_smem)),
                                             "paged_attention: query rotation shared memory attribute"));
           rotate_queries_kernel<D><<<blocks, kRotateThreads, rotate_smem, stream>>>(params.q, params.q_rotation, rows,
                                                                                    w.rotated_q);
@@ -1210,7 +1209,7 @@ inline Status launch_plan(const AttentionPlan& plan, const PagedAttentionParams&
         }
         const size_t smem = ExtendLayout<D>::bytes;
         OSCAR_RETURN_IF_ERROR(cuda_status(
-            cudaFuncSetAttribute(extend_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            opt_in_dynamic_shared_memory(extend_attention_kernel<D>, int(smem)),
             "paged_attention: extend shared memory attribute"));
         const dim3 grid(static_cast<unsigned>(plan.items.size()), static_cast<unsigned>(shape.num_kv_heads));
         OSCAR_RETURN_IF_ERROR(cuda_status(
@@ -1219,7 +1218,7 @@ inline Status launch_plan(const AttentionPlan& plan, const PagedAttentionParams&
         const dim3 merge_grid(grid.x, grid.y, kExtendRows / kMergeRows);
         const size_t merge_smem = MergeLayout<D>::bytes;
         OSCAR_RETURN_IF_ERROR(cuda_status(
-            cudaFuncSetAttribute(extend_merge_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(merge_smem)),
+            opt_in_dynamic_shared_memory(extend_merge_kernel<D>, int(merge_smem)),
             "paged_attention: extend merge shared memory attribute"));
         OSCAR_RETURN_IF_ERROR(cuda_status(
             launch_maybe_programmatic(true, extend_merge_kernel<D>, merge_grid, dim3(kMergeThreads), merge_smem, stream, ea),
@@ -1231,7 +1230,7 @@ inline Status launch_plan(const AttentionPlan& plan, const PagedAttentionParams&
   auto launch = [&]<int D, int NT>() -> Status {
     const size_t smem = SharedLayout<D, NT>::bytes;
     OSCAR_RETURN_IF_ERROR(cuda_status(
-        cudaFuncSetAttribute(paged_attention_kernel<D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+        opt_in_dynamic_shared_memory(paged_attention_kernel<D, NT>, int(smem)),
         "paged_attention: shared memory attribute"));
     const dim3 grid(static_cast<unsigned>(plan.items.size()), static_cast<unsigned>(shape.num_kv_heads));
     paged_attention_kernel<D, NT><<<grid, KernelConfig<D, NT>::kThreads, smem, stream>>>(args);
@@ -1265,7 +1264,7 @@ inline Result<AttentionPlanOptions> attention_plan_options_for_device(int head_d
   // raised to that first, as the launch does); `what` names the kernel in an error.
   auto resident_blocks = [](auto kernel, int threads, size_t smem, const std::string& what, int& blocks) -> Status {
     OSCAR_RETURN_IF_ERROR(
-        cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+        cuda_status(opt_in_dynamic_shared_memory(kernel, int(smem)),
                     ("attention_plan_options_for_device: " + what + "shared memory attribute").c_str()));
     return cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem),
                        ("attention_plan_options_for_device: " + what + "occupancy").c_str());
