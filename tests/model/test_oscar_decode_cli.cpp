@@ -14,6 +14,7 @@
 #include <fstream>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/command.hpp"
@@ -110,21 +111,19 @@ TEST_CASE("oscar-decode: bad flags, a missing plan and wrong plans give exit 2 a
   // A flag the mode does not read is refused, not ignored (fidelity takes --methods, not
   // --cache; perplexity the reverse), and an unsupported page size is named as such before
   // any cache (the hidden bf16 reference's included) is built.
-  r = run("fidelity --text " + kText + " --cache int4");
-  CHECK(r.code == 2);
-  CHECK(r.err.find("--cache is not used by fidelity") != std::string::npos);
-  r = run("perplexity --text " + kText + " --methods int4");
-  CHECK(r.code == 2);
-  CHECK(r.err.find("--methods is not used by perplexity") != std::string::npos);
-  r = run("generate --chunk 4");
-  CHECK(r.code == 2);
-  CHECK(r.err.find("--chunk is not used by generate") != std::string::npos);
-  r = run("dump --text " + kText + " --out " + path("x.safetensors") + " --sink 4");
-  CHECK(r.code == 2);
-  CHECK(r.err.find("--sink is not used by dump") != std::string::npos);
-  r = run("perplexity --text " + kText + " --cache int4 --page-size 7");
-  CHECK(r.code == 2);
-  CHECK(r.err.find("--page-size 7 is not supported") != std::string::npos);
+  const std::pair<std::string, const char*> refused[] = {
+      {"fidelity --text " + kText + " --cache int4", "--cache is not used by fidelity"},
+      {"perplexity --text " + kText + " --methods int4", "--methods is not used by perplexity"},
+      {"generate --chunk 4", "--chunk is not used by generate"},
+      {"dump --text " + kText + " --out " + path("x.safetensors") + " --sink 4", "--sink is not used by dump"},
+      {"perplexity --text " + kText + " --cache int4 --page-size 7", "--page-size 7 is not supported"},
+  };
+  for (const auto& [args, message] : refused) {
+    CAPTURE(args);
+    r = run(args);
+    CHECK(r.code == 2);
+    CHECK(r.err.find(message) != std::string::npos);
+  }
 }
 
 TEST_CASE("oscar-decode: an @gpu cache runs on a GPU, or says that there is none") {
