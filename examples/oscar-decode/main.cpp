@@ -968,7 +968,6 @@ int main(int argc, char** argv) {
   }
   Plans plans;
   if (!o.plan.empty()) {
-    if (o.mode == "calibrate" || o.mode == "dump") return usage_error("--plan is not used by " + o.mode);
     if (!plan_needed && o.mode != "fidelity") return usage_error("--plan is only used by --cache oscar and oscar-fit");
     auto plan = oscar::io::load_plan(o.plan);
     if (!plan.ok()) return usage_error("--plan '" + o.plan + "': " + plan.status().message());
